@@ -1,0 +1,114 @@
+"""GPUs come back: on close, when a sandbox is killed, when its creator dies, on reap."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import SandboxFactory, Settings
+from drivers.base import Driver
+from drivers.errors import ExecTimeout, GpusExhausted
+from drivers.hold import HeldSandbox
+from drivers.spec import SandboxSpec
+from drivers.testing import assert_all_gpus_grantable, specs_for_all_gpus, uuids
+from drivers.wait import wait_until
+
+RECLAIM_TIMEOUT_S = 30.0
+"""A container engine may take seconds to report a killed container as gone."""
+
+
+@pytest.mark.requirement("GPU-RELEASE-01")
+def test_close_releases_and_is_idempotent(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """Closing a sandbox MUST release its GPUs; closing it again MUST change nothing."""
+    for _ in range(2):
+        taken = [sandboxes(spec) for spec in specs_for_all_gpus(driver)]
+        for sandbox in taken:
+            sandbox.close()
+    first = sandboxes(SandboxSpec.with_gpus())
+    first.close()
+    second = sandboxes(SandboxSpec.with_gpus())
+    first.close()  # again: must not release what `second` holds
+    assert len(driver.inventory()) < 2 or not set(uuids(second)) & set(
+        uuids(sandboxes(SandboxSpec.with_gpus()))
+    ), "closing a sandbox twice released a GPU another sandbox holds"
+    if len(driver.inventory()) == 1:
+        with pytest.raises(GpusExhausted):
+            sandboxes(SandboxSpec.with_gpus())
+
+
+def _biggest_request(driver: Driver) -> SandboxSpec:
+    return specs_for_all_gpus(driver)[0]
+
+
+@pytest.mark.requirement("GPU-RECLAIM-01")
+def test_killed_sandbox_gpus_are_reclaimed(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """The GPUs of a sandbox whose processes were SIGKILLed MUST go to the next request."""
+    spec = _biggest_request(driver)
+    victim = sandboxes(spec)
+    victim.kill()
+    successor = wait_until(
+        lambda: sandboxes(spec),
+        timeout_s=RECLAIM_TIMEOUT_S,
+        what=f"re-taking the GPUs of killed sandbox {victim.id}",
+        retry_on=(GpusExhausted,),
+    )
+    assert set(uuids(successor)) & set(uuids(victim)), (
+        f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
+    )
+
+
+@pytest.mark.requirement("GPU-RECLAIM-02")
+def test_gpus_of_a_dead_creator_are_reclaimed(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """The GPUs of a sandbox whose creating process died MUST go to the next request."""
+    spec = _biggest_request(driver)
+    with HeldSandbox.start(driver, settings.host_config, spec) as creator:
+        reply = creator.go()
+        assert reply["ok"], f"the creating process could not take GPUs: {reply}"
+        creator.kill()
+    successor = wait_until(
+        lambda: sandboxes(spec),
+        timeout_s=RECLAIM_TIMEOUT_S,
+        what="re-taking the GPUs of a sandbox whose creator was killed",
+        retry_on=(GpusExhausted,),
+    )
+    assert set(uuids(successor)) & set(reply["gpus"])
+
+
+@pytest.mark.requirement("SANDBOX-REAP-01")
+def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
+    """Reaping a test session MUST leave none of its sandboxes and none of its leases."""
+    session = f"reap-{time.time_ns()}"
+    other = type(driver)(driver.host, session, driver.image)
+    left = [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
+    assert len(other.sandboxes(session)) == 2
+    other.reap(session)
+    assert other.sandboxes(session) == []
+    assert_all_gpus_grantable(driver, after=f"reaping session {session}")
+    for sandbox in left:
+        sandbox.close()  # harmless after reap
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
+    """Exec MUST return the command's exit code, stdout and stderr."""
+    sandbox = sandboxes(SandboxSpec())
+    result = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> None:
+    """Exec MUST kill a command that outlives its timeout, and the sandbox MUST live on."""
+    sandbox = sandboxes(SandboxSpec())
+    start = time.monotonic()
+    with pytest.raises(ExecTimeout):
+        sandbox.exec(["sleep", "60"], timeout=1)
+    assert time.monotonic() - start < 15
+    stats = sandbox.exec(["sh", "-c", "cat /proc/[0-9]*/stat 2>/dev/null; true"]).stdout
+    # A zombie has been killed; only its parent's wait is missing.
+    running = [line for line in stats.splitlines() if "(sleep) " in line and ") Z" not in line]
+    assert not running, f"the timed-out command still runs: {running}"
+    assert sandbox.exec(["true"]).returncode == 0

@@ -1,0 +1,92 @@
+"""Which GPUs a request gets: free ones for defaults, exactly the named ones for exact IDs."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SandboxFactory, Settings
+from drivers.base import Driver
+from drivers.errors import GpuBusy, UnsupportedGpuRequest
+from drivers.hold import HeldSandbox
+from drivers.spec import SandboxSpec
+from drivers.testing import uuids, visible_gpu_uuids
+
+
+@pytest.mark.requirement("GPU-DEFAULT-02")
+@pytest.mark.gpus(2)
+def test_default_request_gets_a_free_gpu(
+    driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """A default GPU request MUST get a free GPU, never one a live sandbox holds."""
+    held = [sandboxes(SandboxSpec.with_gpus()) for _ in range(len(host_gpus) - 1)]
+    taken = [uuids(sandbox) for sandbox in held]
+    assert all(len(gpus) == 1 for gpus in taken), f"default requests got {taken}"
+    flat = [gpus[0] for gpus in taken]
+    assert len(set(flat)) == len(flat), f"k live sandboxes share GPUs: {flat}"
+
+    # Free one in the middle: the next two defaults must take exactly the two free GPUs.
+    released = held.pop(1)
+    released.close()
+    still_held = {uuids(sandbox)[0] for sandbox in held}
+    free = set(host_gpus) - still_held
+    first = sandboxes(SandboxSpec.with_gpus())
+    second = sandboxes(SandboxSpec.with_gpus())
+    got = uuids(first) + uuids(second)
+    assert set(got) == free, f"free GPUs were {sorted(free)}; the defaults got {got}"
+    assert visible_gpu_uuids(first) == uuids(first)
+
+
+@pytest.mark.requirement("GPU-DEFAULT-02")
+@pytest.mark.gpus(2)
+def test_default_request_avoids_gpus_held_by_another_process(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """A default GPU request MUST NOT get a GPU a sandbox of another process holds."""
+    with HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as other:
+        result = other.go()
+        assert result["ok"], f"the other process could not take a GPU: {result}"
+        mine = sandboxes(SandboxSpec.with_gpus())
+        assert not set(uuids(mine)) & set(result["gpus"]), (
+            f"this sandbox got {uuids(mine)}, which another process's sandbox holds"
+        )
+
+
+def _exact(driver: Driver, device_ids: list[str], count: int | None = None) -> SandboxSpec:
+    return SandboxSpec.with_gpus(count, driver=driver.name, device_ids=device_ids)
+
+
+@pytest.mark.requirement("GPU-EXACT-01")
+def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """A request naming exact device IDs MUST give exactly those devices, in every form."""
+    inventory = driver.inventory()
+    if not driver.capabilities.exact_ids:
+        with pytest.raises(UnsupportedGpuRequest):
+            sandboxes(_exact(driver, [driver.device_ids(inventory[0])[0]]))
+        return
+    for gpu in inventory:
+        for device_id in driver.device_ids(gpu):
+            with sandboxes(_exact(driver, [device_id])) as sandbox:
+                assert uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r} ({gpu.uuid})"
+                assert visible_gpu_uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r}"
+    if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
+        last, first = inventory[-1], inventory[0]
+        ids = [driver.device_ids(last)[0], driver.device_ids(first)[-1]]
+        with sandboxes(_exact(driver, ids, count=2)) as sandbox:
+            assert sorted(uuids(sandbox)) == sorted([first.uuid, last.uuid])
+            assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, last.uuid])
+
+
+@pytest.mark.requirement("GPU-BUSY-01")
+def test_exact_id_held_by_another_sandbox_is_busy(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A request naming a device another sandbox holds MUST fail with GpuBusy, not share it."""
+    target = driver.inventory()[-1]
+    device_id = driver.device_ids(target)[0]
+    holder = sandboxes(_exact(driver, [device_id]))
+    before = driver.sandboxes(driver.session_id)
+    with pytest.raises(GpuBusy) as busy:
+        sandboxes(_exact(driver, [device_id]))
+    assert target.uuid in str(busy.value) or device_id in str(busy.value), str(busy.value)
+    assert driver.sandboxes(driver.session_id) == before
+    assert visible_gpu_uuids(holder) == [target.uuid]

@@ -1,0 +1,212 @@
+"""Bad requests: each fails with its typed error, naming the value, and takes nothing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from conftest import SandboxFactory
+from drivers.base import Driver
+from drivers.errors import (
+    DriverError,
+    DuplicateGpuDevice,
+    GpuCountMismatch,
+    GpuDevicesWithoutRequest,
+    GpusExhausted,
+    InvalidDriverConfig,
+    InvalidGpuCount,
+    UnknownGpuDevice,
+    UnsupportedGpuRequest,
+)
+from drivers.spec import parse_spec
+from drivers.testing import assert_all_gpus_grantable
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    """A request (built from the driver under test) and what it must fail with."""
+
+    build: Callable[[Driver], dict[str, Any]]
+    error: type[DriverError] | tuple[type[DriverError], ...]
+    value: Callable[[Driver], str]
+    """What the error message must contain: the offending value."""
+    needs_exact_ids: bool = False
+
+
+def _gpu(count: object = None) -> dict[str, Any]:
+    return {"gpu": {} if count is None else {"count": count}}
+
+
+def _ids(driver: Driver, ids: list[Any], count: object = None, gpu: bool = True) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver_config": {driver.name: {"gpu_device_ids": ids}}}
+    if gpu:
+        spec["resource_requirements"] = _gpu(count)
+    return spec
+
+
+def _id(driver: Driver, index: int = 0, form: int = 0) -> str:
+    return driver.device_ids(driver.inventory()[index])[form]
+
+
+def _other_driver(driver: Driver) -> str:
+    return "vm" if driver.name != "vm" else "docker"
+
+
+CONFIG_ERRORS = {
+    "envelope-not-object": BadRequest(
+        lambda d: {"resource_requirements": _gpu(), "driver_config": "podman"},
+        InvalidDriverConfig,
+        lambda d: "'podman'",
+    ),
+    "block-not-object": BadRequest(
+        lambda d: {"resource_requirements": _gpu(), "driver_config": {d.name: ["x"]}},
+        InvalidDriverConfig,
+        lambda d: "['x']",
+    ),
+    "unknown-key": BadRequest(
+        lambda d: {
+            "resource_requirements": _gpu(),
+            "driver_config": {d.name: {"gpu_device_idz": [_id(d)]}},
+        },
+        InvalidDriverConfig,
+        lambda d: "gpu_device_idz",
+    ),
+    "ids-not-a-list": BadRequest(
+        lambda d: _ids(d, _id(d)),  # type: ignore[arg-type]
+        InvalidDriverConfig,
+        lambda d: _id(d),
+    ),
+    "empty-list": BadRequest(lambda d: _ids(d, []), InvalidDriverConfig, lambda d: "[]"),
+    "blank-entry": BadRequest(lambda d: _ids(d, ["  "]), InvalidDriverConfig, lambda d: "'  '"),
+    "non-string-entry": BadRequest(lambda d: _ids(d, [7]), InvalidDriverConfig, lambda d: "7"),
+    "block-for-another-driver-only": BadRequest(
+        lambda d: {
+            "resource_requirements": _gpu(),
+            "driver_config": {_other_driver(d): {"gpu_device_ids": ["0"]}},
+        },
+        InvalidDriverConfig,
+        _other_driver,
+    ),
+}
+
+COUNT_ERRORS = {
+    "zero": BadRequest(
+        lambda d: {"resource_requirements": _gpu(0)}, InvalidGpuCount, lambda d: "0"
+    ),
+    "negative": BadRequest(
+        lambda d: {"resource_requirements": _gpu(-1)}, InvalidGpuCount, lambda d: "-1"
+    ),
+    "fraction": BadRequest(
+        lambda d: {"resource_requirements": _gpu(2.5)}, InvalidGpuCount, lambda d: "2.5"
+    ),
+    "word": BadRequest(
+        lambda d: {"resource_requirements": _gpu("two")}, InvalidGpuCount, lambda d: "'two'"
+    ),
+    "boolean": BadRequest(
+        lambda d: {"resource_requirements": _gpu(True)}, InvalidGpuCount, lambda d: "True"
+    ),
+    "huge": BadRequest(
+        lambda d: {"resource_requirements": _gpu(10**6)},
+        (UnsupportedGpuRequest, GpusExhausted),
+        lambda d: "1000000",
+    ),
+}
+
+ID_ERRORS = {
+    "duplicate": BadRequest(
+        lambda d: _ids(d, [_id(d), _id(d)], count=2),
+        DuplicateGpuDevice,
+        lambda d: _id(d),
+        needs_exact_ids=True,
+    ),
+    "duplicate-by-alias": BadRequest(
+        lambda d: _ids(d, [_id(d, form=0), _id(d, form=-1)], count=2),
+        DuplicateGpuDevice,
+        lambda d: _id(d, form=-1),
+        needs_exact_ids=True,
+    ),
+    "count-mismatch": BadRequest(
+        lambda d: _ids(d, [_id(d)], count=2),
+        GpuCountMismatch,
+        lambda d: "(2)",
+        needs_exact_ids=True,
+    ),
+    "ids-without-gpu-request": BadRequest(
+        lambda d: _ids(d, [_id(d)], gpu=False),
+        GpuDevicesWithoutRequest,
+        lambda d: _id(d),
+        needs_exact_ids=True,
+    ),
+    "unknown-id": BadRequest(
+        lambda d: _ids(d, ["no-such-gpu-0"]),
+        UnknownGpuDevice,
+        lambda d: "no-such-gpu-0",
+        needs_exact_ids=True,
+    ),
+    "index-out-of-range": BadRequest(
+        lambda d: _ids(d, [str(len(d.inventory()) + 10)]),
+        UnknownGpuDevice,
+        lambda d: str(len(d.inventory()) + 10),
+        needs_exact_ids=True,
+    ),
+}
+
+
+def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest) -> None:
+    __tracebackhide__ = True
+    before = driver.sandboxes(driver.session_id)
+    expected = case.error
+    if case.needs_exact_ids and not driver.capabilities.exact_ids:
+        expected = UnsupportedGpuRequest
+    request = case.build(driver)
+    with pytest.raises(expected) as raised:
+        sandboxes(parse_spec(request))
+    value = case.value(driver)
+    assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
+    assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
+    assert_all_gpus_grantable(driver, after=f"the rejected request {request}")
+
+
+@pytest.mark.requirement("GPU-VALIDATE-01")
+@pytest.mark.parametrize("case", CONFIG_ERRORS.values(), ids=CONFIG_ERRORS.keys())
+def test_malformed_driver_config_is_rejected(
+    driver: Driver, sandboxes: SandboxFactory, case: BadRequest
+) -> None:
+    """A malformed driver_config MUST fail with InvalidDriverConfig naming the value."""
+    _check_rejected(driver, sandboxes, case)
+
+
+@pytest.mark.requirement("GPU-VALIDATE-02")
+@pytest.mark.parametrize("case", COUNT_ERRORS.values(), ids=COUNT_ERRORS.keys())
+def test_invalid_gpu_count_is_rejected(
+    driver: Driver, sandboxes: SandboxFactory, case: BadRequest
+) -> None:
+    """A GPU count that is not a positive integer MUST fail with a typed error naming it."""
+    _check_rejected(driver, sandboxes, case)
+
+
+@pytest.mark.requirement("GPU-VALIDATE-03")
+@pytest.mark.parametrize("case", ID_ERRORS.values(), ids=ID_ERRORS.keys())
+def test_inconsistent_device_ids_are_rejected(
+    driver: Driver, sandboxes: SandboxFactory, case: BadRequest
+) -> None:
+    """Inconsistent or unknown device IDs MUST fail with the typed error naming the value."""
+    _check_rejected(driver, sandboxes, case)
+
+
+@pytest.mark.requirement("GPU-EXHAUST-02")
+def test_more_gpus_than_exist_says_how_many_exist(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A request for more GPUs than exist MUST fail with an error saying how many exist."""
+    total = len(driver.inventory())
+    with pytest.raises((UnsupportedGpuRequest, GpusExhausted)) as raised:
+        sandboxes(parse_spec({"resource_requirements": _gpu(total + 1)}))
+    assert re.search(rf"\b{total}\b", str(raised.value)), (
+        f"the host has {total} GPUs; the error does not say so: {raised.value}"
+    )
+    assert_all_gpus_grantable(driver, after=f"asking for {total + 1} GPUs")

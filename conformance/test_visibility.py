@@ -1,0 +1,65 @@
+"""What a sandbox can see: exactly the GPUs its driver says it gave, by UUID and by node."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SandboxFactory
+from drivers.base import Driver
+from drivers.spec import SandboxSpec
+from drivers.testing import nvidia_gpu_nodes, uuids, visible_gpu_uuids
+
+
+@pytest.mark.requirement("GPU-NONE-01")
+def test_no_gpu_request_sees_no_gpu(sandboxes: SandboxFactory) -> None:
+    """A sandbox created without a GPU request MUST contain no GPU node and see no GPU."""
+    sandbox = sandboxes(SandboxSpec())
+    assert sandbox.gpus == ()
+    assert nvidia_gpu_nodes(sandbox) == []
+    assert visible_gpu_uuids(sandbox) == []
+
+
+@pytest.mark.requirement("GPU-DEFAULT-01")
+def test_default_request_sees_exactly_one_gpu(
+    sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """A default GPU request MUST give exactly one GPU, the one the driver reports."""
+    sandbox = sandboxes(SandboxSpec.with_gpus())
+    assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
+    assert uuids(sandbox)[0] in host_gpus
+    assert visible_gpu_uuids(sandbox) == uuids(sandbox)
+
+
+def _counts(driver: Driver) -> list[int]:
+    total = min(len(driver.inventory()), driver.capabilities.max_gpus_per_sandbox)
+    return sorted({min(2, total), total})
+
+
+@pytest.mark.requirement("GPU-COUNT-01")
+@pytest.mark.gpus(2)
+def test_count_request_sees_exactly_n_distinct_gpus(
+    driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """A request for N GPUs MUST give exactly N distinct GPUs, visible by UUID."""
+    for count in _counts(driver):
+        sandbox = sandboxes(SandboxSpec.with_gpus(count))
+        reported = uuids(sandbox)
+        assert len(reported) == count, f"asked for {count} GPUs, the driver reports {reported}"
+        assert len(set(reported)) == count, f"the driver reports one GPU twice: {reported}"
+        assert set(reported) <= set(host_gpus)
+        seen = visible_gpu_uuids(sandbox)
+        assert sorted(seen) == sorted(reported), f"asked for {count}, nvidia-smi shows {seen}"
+        sandbox.close()
+
+
+@pytest.mark.requirement("GPU-ISOLATION-01")
+def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """Only the assigned GPUs' device nodes MUST exist inside the sandbox."""
+    count = min(2, len(driver.inventory()), driver.capabilities.max_gpus_per_sandbox)
+    sandbox = sandboxes(SandboxSpec.with_gpus(count))
+    expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
+    nodes = nvidia_gpu_nodes(sandbox)
+    assert sorted(node.minor for node in nodes) == expected, (
+        f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
+    )
+    assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))

@@ -1,0 +1,309 @@
+"""The pytest plugin of the GPU sandbox conformance suite: options, drivers, fixtures, report.
+
+``--driver`` picks the drivers (default: every built-in one). Each test that takes the
+``driver`` fixture runs once per driver; a driver that cannot run here is skipped with what
+it needed and what it found, unless it was named explicitly, in which case it is an error:
+a release gate must never go green by skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drivers import REGISTRY, UnknownDriver, get_driver_class
+from drivers.base import Driver, Sandbox
+from drivers.host import GpuHost, HostConfig
+from drivers.spec import SandboxSpec
+
+ROOT = Path(__file__).parent
+REQUIREMENTS_FILE = ROOT / "conformance" / "REQUIREMENTS.yaml"
+
+
+@dataclass
+class Settings:
+    drivers: dict[str, type[Driver]]
+    explicit: bool
+    host_config: HostConfig
+    session_id: str
+    image: str | None
+
+
+settings_key = pytest.StashKey[Settings]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpu-sandbox", "GPU sandbox conformance")
+    group.addoption(
+        "--driver",
+        default=None,
+        help="Run against these drivers, comma-separated: built-in names "
+        f"({', '.join(REGISTRY)}) or module:Class import paths. Default: every built-in "
+        "driver, skipping those that cannot run here; a driver named here must run.",
+    )
+    group.addoption(
+        "--sim-root",
+        type=Path,
+        default=None,
+        help="Use the simulated GPU host under this directory (see python -m drivers.simgpu).",
+    )
+    group.addoption(
+        "--gpu-state-dir",
+        type=Path,
+        default=None,
+        help="Keep the host-wide GPU lease registry here (default: /run/gpu-sandbox).",
+    )
+    group.addoption("--image", default=None, help="Container image for the engine drivers.")
+    group.addoption(
+        "--reap",
+        metavar="SESSION",
+        default=None,
+        help="Remove every sandbox and GPU lease test session SESSION left, then exit.",
+    )
+    group.addoption(
+        "--conformance-json",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="Write each test's requirement, driver and outcome to PATH as JSON.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    settings = _settings(config)
+    # xdist workers must share the controller's session id, so that reap finds their work.
+    os.environ["GPU_SANDBOX_SESSION_ID"] = settings.session_id
+    config.stash[settings_key] = settings
+
+
+def _settings(config: pytest.Config) -> Settings:
+    option = config.getoption("--driver")
+    names = [name.strip() for name in option.split(",") if name.strip()] if option else []
+    try:
+        drivers = {name: get_driver_class(name) for name in names or REGISTRY}
+    except UnknownDriver as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return Settings(
+        drivers=drivers,
+        explicit=bool(names),
+        host_config=HostConfig(config.getoption("--sim-root"), config.getoption("--gpu-state-dir")),
+        session_id=os.environ.get("GPU_SANDBOX_SESSION_ID") or uuid.uuid4().hex[:16],
+        image=config.getoption("--image"),
+    )
+
+
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    session = config.getoption("--reap")
+    if session is None:
+        return None
+    settings = _settings(config)
+    host = GpuHost.open(settings.host_config)
+    for name, cls in settings.drivers.items():
+        removed = cls(host, session, settings.image).reap(session)
+        print(f"{name}: removed {len(removed)} sandbox(es) of session {session}")  # noqa: T201
+    return 0
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    settings = config.stash[settings_key]
+    host = GpuHost.open(settings.host_config)
+    lines = [
+        f"gpu-sandbox session: {settings.session_id} (clean up after a crash: pytest --reap="
+        f"{settings.session_id})",
+        f"gpu host: {host.describe()}",
+        f"drivers: {', '.join(settings.drivers)}",
+    ]
+    if host.simulated:
+        lines.append("NOTE: this run used SIMULATED GPUs; no CUDA device was exercised.")
+    return lines
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "driver" in metafunc.fixturenames:
+        names = list(metafunc.config.stash[settings_key].drivers)
+        metafunc.parametrize("driver", names, ids=names, indirect=True, scope="session")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    applies = _applicability()
+    for item in items:
+        marker = item.get_closest_marker("requirement")
+        params = getattr(item, "callspec", None)
+        driver = params.params.get("driver") if params else None
+        if marker:
+            item.user_properties.append(("requirement", marker.args[0]))
+        if driver:
+            item.user_properties.append(("driver", driver))
+            # Every GPU test shares the host's GPUs: under xdist they run in one worker.
+            item.add_marker(pytest.mark.xdist_group("gpu-host"))
+            if (
+                marker
+                and driver in REGISTRY
+                and driver not in applies.get(marker.args[0], REGISTRY)
+            ):
+                item.add_marker(
+                    pytest.mark.skip(reason=f"{marker.args[0]} does not apply to {driver}")
+                )
+
+
+def _applicability() -> dict[str, list[str]]:
+    if not REQUIREMENTS_FILE.exists():
+        return {}
+    entries = yaml.safe_load(REQUIREMENTS_FILE.read_text())["requirements"]
+    return {entry["id"]: entry["drivers"] for entry in entries}
+
+
+@pytest.fixture(scope="session")
+def gpu_host(pytestconfig: pytest.Config) -> GpuHost:
+    return GpuHost.open(pytestconfig.stash[settings_key].host_config)
+
+
+@pytest.fixture(scope="session")
+def driver(request: pytest.FixtureRequest, gpu_host: GpuHost) -> Iterator[Driver]:
+    settings = request.config.stash[settings_key]
+    name: str = request.param
+    instance = settings.drivers[name](gpu_host, settings.session_id, settings.image)
+    availability = instance.probe()
+    if not availability.ok:
+        if settings.explicit:
+            pytest.fail(
+                f"{name} was named in --driver but cannot run: {availability.reason}",
+                pytrace=False,
+            )
+        pytest.skip(f"{name}: {availability.reason}")
+    yield instance
+    instance.reap(settings.session_id)
+
+
+@pytest.fixture
+def host_gpus(driver: Driver) -> tuple[str, ...]:
+    """UUIDs of the GPUs the driver can hand out, in PCI order."""
+    return tuple(gpu.uuid for gpu in driver.inventory())
+
+
+@pytest.fixture(autouse=True)
+def _enough_gpus(request: pytest.FixtureRequest) -> None:
+    marker = request.node.get_closest_marker("gpus")
+    if marker is None or "driver" not in request.fixturenames:
+        return
+    have = len(request.getfixturevalue("driver").inventory())
+    if have < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
+
+
+class SandboxFactory:
+    """Creates sandboxes for one test and closes whatever the test left open."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.open: list[Sandbox] = []
+
+    def __call__(self, spec: SandboxSpec) -> Sandbox:
+        sandbox = self.driver.create(spec)
+        self.open.append(sandbox)
+        return sandbox
+
+    def close_all(self) -> None:
+        for sandbox in reversed(self.open):
+            sandbox.close()
+        self.open.clear()
+
+
+@pytest.fixture
+def sandboxes(driver: Driver) -> Iterator[SandboxFactory]:
+    factory = SandboxFactory(driver)
+    try:
+        yield factory
+    finally:
+        factory.close_all()
+
+
+@pytest.fixture
+def settings(pytestconfig: pytest.Config) -> Settings:
+    return pytestconfig.stash[settings_key]
+
+
+# -- the per-requirement report ---------------------------------------------------------
+
+_RANK = {"failed": 3, "error": 3, "passed": 1, "skipped": 0}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    props = dict(report.user_properties)
+    if "requirement" not in props or "driver" not in props:
+        return
+    if report.when != "call" and not (report.failed or report.skipped):
+        return
+    outcome = "error" if report.failed and report.when != "call" else report.outcome
+    _REPORTS.append(
+        {
+            "nodeid": report.nodeid,
+            "requirement": props["requirement"],
+            "driver": props["driver"],
+            "outcome": outcome,
+            "message": _message(report),
+        }
+    )
+
+
+_REPORTS: list[dict[str, str]] = []
+
+
+def _message(report: pytest.TestReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    if report.failed:
+        return str(report.longrepr).strip().splitlines()[-1][:300]
+    return ""
+
+
+def requirement_matrix(reports: list[dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Requirement → driver → the worst outcome of its tests (failed > passed > skipped)."""
+    matrix: dict[str, dict[str, str]] = {}
+    for entry in reports:
+        cell = matrix.setdefault(entry["requirement"], {})
+        current = cell.get(entry["driver"])
+        if current is None or _RANK[entry["outcome"]] > _RANK[current]:
+            cell[entry["driver"]] = entry["outcome"]
+    return matrix
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    config = terminalreporter.config
+    if hasattr(config, "workerinput") or not _REPORTS:
+        return
+    settings = config.stash[settings_key]
+    matrix = requirement_matrix(_REPORTS)
+    drivers = [name for name in settings.drivers if any(name in row for row in matrix.values())]
+    terminalreporter.section("conformance by requirement")
+    host = GpuHost.open(settings.host_config)
+    terminalreporter.write_line(f"GPU host: {host.describe()}")
+    if host.simulated:
+        terminalreporter.write_line("These results used SIMULATED GPUs.")
+    width = max(len(req) for req in matrix) + 2
+    terminalreporter.write_line("requirement".ljust(width) + "".join(d.ljust(12) for d in drivers))
+    for req in sorted(matrix):
+        cells = "".join(matrix[req].get(name, "-").ljust(12) for name in drivers)
+        terminalreporter.write_line(req.ljust(width) + cells)
+    path = config.getoption("--conformance-json")
+    if path:
+        path.write_text(
+            json.dumps(
+                {
+                    "session": settings.session_id,
+                    "simulated": host.simulated is not None,
+                    "host": host.describe(),
+                    "tests": _REPORTS,
+                    "matrix": matrix,
+                },
+                indent=2,
+            )
+        )

@@ -1,0 +1,486 @@
+"""Host GPU discovery: every source produces :class:`drivers.gpus.GpuDevice`.
+
+NVIDIA GPUs come from NVML (``from_nvml``) or ``nvidia-smi`` (``from_nvidia_smi``), and
+``discover_nvidia`` tries them in that order. GPUs of any vendor come from the PCI bus
+(``lspci -Dvmmnn`` or sysfs) plus their ``/dev/dri`` nodes (``pci_gpus``). The parsers are
+separate functions so that recorded command output can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Final
+
+from drivers.gpus import (
+    NVIDIA_MAJOR,
+    DeviceNode,
+    GpuDevice,
+    normalize_pci_bus_id,
+    sorted_by_pci,
+)
+
+MIB: Final = 1024 * 1024
+
+
+class DiscoveryError(RuntimeError):
+    """A discovery source cannot be used, or failed in a way that may hide GPUs."""
+
+
+class SourceNotFound(DiscoveryError):
+    """The source is not installed (no libnvidia-ml, no nvidia-smi): normal without a GPU."""
+
+
+def nvidia_nodes(minor: int | None) -> tuple[DeviceNode, ...]:
+    """The ``/dev/nvidia<minor>`` node of an NVIDIA GPU; none when the minor is unknown."""
+    if minor is None:
+        return ()
+    return (DeviceNode(f"/dev/nvidia{minor}", NVIDIA_MAJOR, minor),)
+
+
+def _text(value: object) -> str:
+    # pynvml returns str for strings nowadays, bytes in older releases.
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# --- NVML --------------------------------------------------------------------------------
+
+
+def from_nvml() -> tuple[GpuDevice, ...]:
+    """The GPUs NVML reports, in NVML's index order (which is PCI bus order, like nvidia-smi).
+
+    Raises ``SourceNotFound`` when pynvml or libnvidia-ml.so.1 is missing, and
+    ``DiscoveryError`` for any other NVML failure (driver not loaded, GPU lost, ...).
+    """
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise SourceNotFound(f"NVML: the pynvml module is not installed ({exc})") from exc
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound as exc:
+        raise SourceNotFound(f"NVML: libnvidia-ml.so.1 could not be loaded ({exc})") from exc
+    except pynvml.NVMLError as exc:
+        raise DiscoveryError(f"NVML: nvmlInit failed: {exc}") from exc
+    gpus: list[GpuDevice] = []
+    try:
+        for index in range(int(pynvml.nvmlDeviceGetCount())):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            try:
+                minor: int | None = int(pynvml.nvmlDeviceGetMinorNumber(handle))
+            except pynvml.NVMLError_NotSupported:
+                minor = None  # WSL: no /dev/nvidia<minor> nodes exist
+            gpus.append(
+                GpuDevice(
+                    index=index,
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    pci_bus_id=normalize_pci_bus_id(
+                        _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+                    ),
+                    memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB,
+                    minor=minor,
+                    nodes=nvidia_nodes(minor),
+                )
+            )
+    except pynvml.NVMLError as exc:
+        raise DiscoveryError(f"NVML failed after {len(gpus)} GPU(s): {exc}") from exc
+    finally:
+        pynvml.nvmlShutdown()
+    return tuple(gpus)
+
+
+# --- nvidia-smi ----------------------------------------------------------------------------
+
+QUERY_FIELDS: Final = ("index", "uuid", "name", "pci.bus_id", "memory.total", "minor_number")
+NVIDIA_SMI_TIMEOUT_S: Final = 60.0
+"""Without persistence mode every nvidia-smi call initialises each GPU, which takes seconds
+per GPU on large hosts; a hung driver must still not hang discovery."""
+NVIDIA_SMI_NO_DEVICES_RC: Final = 6
+
+_UNIT_SUFFIX = re.compile(r"\s*\[[^\]]*\]$")
+_MIB_VALUE = re.compile(r"^(\d+)(?: MiB)?$")
+
+
+def parse_query_csv(text: str, fields: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """Rows of ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` output.
+
+    Without ``fields`` the first line is the header and its unit suffixes are dropped from
+    the keys (``memory.total [MiB]`` becomes ``memory.total``); pass ``fields`` for
+    ``noheader`` output. Values stay as printed (``81559 MiB``, ``81559`` with ``nounits``,
+    ``[N/A]``); read them with ``parse_mib`` and ``is_missing``.
+    """
+    rows = [row for row in csv.reader(text.splitlines(), skipinitialspace=True) if row]
+    if fields is None:
+        if not rows:
+            raise ValueError("nvidia-smi CSV has no header line")
+        header, *rows = rows
+        fields = [_UNIT_SUFFIX.sub("", name.strip()) for name in header]
+    parsed = []
+    for number, row in enumerate(rows, start=1):
+        if len(row) != len(fields):
+            raise ValueError(
+                f"nvidia-smi CSV row {number} has {len(row)} values for {len(fields)} fields: "
+                f"{row!r}"
+            )
+        parsed.append({field: value.strip() for field, value in zip(fields, row, strict=True)})
+    return parsed
+
+
+def is_missing(value: str) -> bool:
+    """Whether nvidia-smi printed no value: empty, ``N/A`` or a bracketed ``[N/A]``-like note."""
+    value = value.strip()
+    return value in ("", "N/A") or (value.startswith("[") and value.endswith("]"))
+
+
+def parse_mib(value: str) -> int | None:
+    """``81559 MiB`` (or ``81559`` with ``nounits``) as 81559; None for a missing value."""
+    if is_missing(value):
+        return None
+    match = _MIB_VALUE.match(value.strip())
+    if not match:
+        raise ValueError(f"not a MiB value: {value!r}")
+    return int(match[1])
+
+
+def gpus_from_query_csv(
+    text: str, fields: Sequence[str] = QUERY_FIELDS, header: bool = True
+) -> tuple[GpuDevice, ...]:
+    """GPUs from ``nvidia-smi --query-gpu`` CSV; ``fields`` names the columns when not ``header``.
+
+    Needs ``uuid``, ``name`` and ``pci.bus_id``; ``index`` defaults to the row's position
+    (nvidia-smi prints GPUs in index order), ``memory.total`` and ``minor_number`` are optional.
+    """
+    gpus = []
+    for position, row in enumerate(parse_query_csv(text, None if header else fields)):
+        missing = [f for f in ("uuid", "name", "pci.bus_id") if is_missing(row.get(f, ""))]
+        if missing:
+            raise ValueError(f"nvidia-smi CSV row {position + 1} has no {', '.join(missing)}")
+        index = row.get("index", "")
+        minor_number = row.get("minor_number", "")
+        minor = None if is_missing(minor_number) else int(minor_number)
+        gpus.append(
+            GpuDevice(
+                index=position if is_missing(index) else int(index),
+                uuid=row["uuid"],
+                name=row["name"],
+                pci_bus_id=normalize_pci_bus_id(row["pci.bus_id"]),
+                memory_mib=parse_mib(row.get("memory.total", "")),
+                minor=minor,
+                nodes=nvidia_nodes(minor),
+            )
+        )
+    return tuple(gpus)
+
+
+def from_nvidia_smi(
+    executable: str = "nvidia-smi", timeout_s: float = NVIDIA_SMI_TIMEOUT_S
+) -> tuple[GpuDevice, ...]:
+    """The GPUs ``nvidia-smi --query-gpu`` lists; empty when it says "No devices were found".
+
+    Raises ``SourceNotFound`` when the executable is missing and ``DiscoveryError`` with the
+    exit code and output for any other failure.
+    """
+    argv = [executable, f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
+    command = shlex.join(argv)
+    try:
+        result = subprocess.run(
+            argv, capture_output=True, text=True, errors="replace", timeout=timeout_s, check=False
+        )
+    except FileNotFoundError as exc:
+        raise SourceNotFound(f"{executable}: not found") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise DiscoveryError(f"{command} ran past its timeout of {timeout_s:g} s") from exc
+    except OSError as exc:
+        raise DiscoveryError(f"{command} could not be run: {exc}") from exc
+    # nvidia-smi prints its errors on stdout.
+    output = "\n".join(part.strip() for part in (result.stdout, result.stderr) if part.strip())
+    if result.returncode == NVIDIA_SMI_NO_DEVICES_RC and "No devices were found" in output:
+        return ()
+    if result.returncode != 0:
+        raise DiscoveryError(f"{command} exited with {result.returncode}: {output}")
+    try:
+        return gpus_from_query_csv(result.stdout, QUERY_FIELDS, header=False)
+    except ValueError as exc:
+        raise DiscoveryError(f"{command} printed unexpected output ({exc}): {output}") from exc
+
+
+@dataclass(frozen=True)
+class ListedMig:
+    """A MIG device line of ``nvidia-smi -L``; ``index`` is its number within its GPU."""
+
+    index: int
+    name: str
+    uuid: str
+
+    @property
+    def profile(self) -> str:
+        """The MIG profile, ``1g.10gb`` for the name ``MIG 1g.10gb``."""
+        return self.name.removeprefix("MIG ")
+
+
+@dataclass(frozen=True)
+class ListedGpu:
+    """A GPU line of ``nvidia-smi -L`` with the MIG devices listed under it."""
+
+    index: int
+    name: str
+    uuid: str
+    mig_devices: tuple[ListedMig, ...] = ()
+
+
+_LIST_GPU = re.compile(r"^GPU (?P<index>\d+): (?P<name>.+) \(UUID: (?P<uuid>[^)\s]+)\)$")
+_LIST_MIG = re.compile(
+    r"^\s+(?P<name>MIG \S+)\s+Device\s+(?P<index>\d+): \(UUID: (?P<uuid>[^)\s]+)\)$"
+)
+
+
+def parse_list(text: str) -> list[ListedGpu]:
+    """Parse ``nvidia-smi -L``; any other line (an error about one GPU, say) is a ValueError."""
+    gpus: list[ListedGpu] = []
+    migs: list[list[ListedMig]] = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line:
+            continue
+        if gpu := _LIST_GPU.match(line):
+            gpus.append(ListedGpu(int(gpu["index"]), gpu["name"], gpu["uuid"]))
+            migs.append([])
+        elif (mig := _LIST_MIG.match(line)) and gpus:
+            migs[-1].append(ListedMig(int(mig["index"]), mig["name"], mig["uuid"]))
+        else:
+            raise ValueError(f"unexpected line in nvidia-smi -L output: {line!r}")
+    return [
+        ListedGpu(gpu.index, gpu.name, gpu.uuid, tuple(mig_devices))
+        for gpu, mig_devices in zip(gpus, migs, strict=True)
+    ]
+
+
+# --- PCI and /dev/dri ----------------------------------------------------------------------
+
+GPU_PCI_CLASSES: Final = {
+    "0300": "VGA compatible controller",
+    "0302": "3D controller",
+    "0380": "Display controller",
+}
+"""Data-centre GPUs are 3D controllers, and a secondary GPU is often a Display controller:
+a filter on "VGA compatible controller" alone misses them."""
+PCI_VENDORS: Final = {"10de": "nvidia", "1002": "amd", "8086": "intel"}
+SYSFS_PCI_DEVICES: Final = Path("/sys/bus/pci/devices")
+DRI_BY_PATH: Final = Path("/dev/dri/by-path")
+PASSTHROUGH_DRIVERS: Final = frozenset({"vfio-pci", "nvgrace-gpu-vfio-pci", "pci-stub"})
+
+
+@dataclass(frozen=True)
+class PciDevice:
+    """One PCI function; ids are lower-case hex without ``0x``, names empty when unknown."""
+
+    slot: str
+    class_code: str
+    class_name: str
+    vendor_id: str
+    vendor_name: str
+    device_id: str
+    device_name: str
+    driver: str = ""
+    """The kernel driver bound to it (sysfs, or ``lspci -k``); empty when none or unknown."""
+
+
+_NAME_AND_CODE = re.compile(r"^(?P<name>.*?)\s*\[(?P<code>[0-9a-fA-F]{4})\]$")
+
+
+def _name_and_code(record: Mapping[str, str], key: str) -> tuple[str, str]:
+    value = record.get(key)
+    if value is None:
+        raise ValueError(f"lspci record has no {key}: {dict(record)!r}")
+    match = _NAME_AND_CODE.match(value)
+    if not match:
+        raise ValueError(f"lspci {key} {value!r} carries no [code]: run lspci with -nn")
+    return match["name"], match["code"].lower()
+
+
+def parse_lspci_vmm(text: str) -> list[PciDevice]:
+    """Parse ``lspci -Dvmmnn`` (``-k`` adds the driver; without ``-D`` the domain is 0000)."""
+    devices = []
+    for block in re.split(r"\n[ \t]*\n", text.strip()):
+        if not block.strip():
+            continue
+        record = {}
+        for line in block.splitlines():
+            key, _, value = line.partition(":")
+            record[key.strip()] = value.strip()
+        if "Slot" not in record:
+            raise ValueError(f"lspci record has no Slot (run lspci with -mm): {block!r}")
+        class_name, class_code = _name_and_code(record, "Class")
+        vendor_name, vendor_id = _name_and_code(record, "Vendor")
+        device_name, device_id = _name_and_code(record, "Device")
+        devices.append(
+            PciDevice(
+                slot=normalize_pci_bus_id(record["Slot"]),
+                class_code=class_code,
+                class_name=class_name,
+                vendor_id=vendor_id,
+                vendor_name=vendor_name,
+                device_id=device_id,
+                device_name=device_name,
+                driver=record.get("Driver", ""),
+            )
+        )
+    return devices
+
+
+def gpu_pci_devices(devices: Iterable[PciDevice]) -> list[PciDevice]:
+    return [device for device in devices if device.class_code in GPU_PCI_CLASSES]
+
+
+def from_sysfs(root: Path = SYSFS_PCI_DEVICES) -> list[PciDevice]:
+    """The PCI devices under ``root`` in slot order; sysfs has ids but no names.
+
+    ``class_name`` is filled in for the GPU classes only. A missing ``root`` gives [].
+    """
+    if not root.is_dir():
+        return []
+    devices = []
+    for path in sorted(root.iterdir()):
+        class_code = (path / "class").read_text().strip().removeprefix("0x")[:4].lower()
+        driver = path / "driver"
+        devices.append(
+            PciDevice(
+                slot=normalize_pci_bus_id(path.name),
+                class_code=class_code,
+                class_name=GPU_PCI_CLASSES.get(class_code, ""),
+                vendor_id=(path / "vendor").read_text().strip().removeprefix("0x").lower(),
+                vendor_name="",
+                device_id=(path / "device").read_text().strip().removeprefix("0x").lower(),
+                device_name="",
+                driver=PurePosixPath(os.readlink(driver)).name if driver.is_symlink() else "",
+            )
+        )
+    return devices
+
+
+_BY_PATH_NAME = re.compile(r"^pci-(?P<bus>[0-9a-fA-F:.]+)-(?P<kind>card|render)$")
+
+
+def dri_nodes_by_pci(by_path: Path = DRI_BY_PATH) -> dict[str, tuple[DeviceNode, ...]]:
+    """PCI bus id to the DRI nodes (``cardN``, ``renderDN``) its by-path links resolve to.
+
+    Major and minor come from ``stat`` of the resolved node. A missing ``by_path`` gives {}.
+    """
+    if not by_path.is_dir():
+        return {}
+    nodes: dict[str, list[DeviceNode]] = {}
+    for link in sorted(by_path.iterdir()):
+        match = _BY_PATH_NAME.match(link.name)
+        if not match:
+            continue  # e.g. platform-simple-framebuffer.0-card
+        target = link.resolve()
+        rdev = target.stat().st_rdev
+        node = DeviceNode(str(target), os.major(rdev), os.minor(rdev))
+        nodes.setdefault(normalize_pci_bus_id(match["bus"]), []).append(node)
+    return {bus: tuple(sorted(bus_nodes)) for bus, bus_nodes in nodes.items()}
+
+
+_LISTING_LINK = re.compile(
+    r"\spci-(?P<bus>[0-9a-fA-F:.]+)-(?P<kind>card|render) -> (?P<target>\S+)$"
+)
+
+
+def parse_dri_by_path_listing(text: str) -> dict[str, dict[str, str]]:
+    """Bus id to ``{"card": "card1", "render": "renderD129"}`` from ``ls -l /dev/dri/by-path``."""
+    links: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        if match := _LISTING_LINK.search(line.rstrip()):
+            bus = normalize_pci_bus_id(match["bus"])
+            links.setdefault(bus, {})[match["kind"]] = PurePosixPath(match["target"]).name
+    return links
+
+
+def pci_gpus(
+    pci_devices: Iterable[PciDevice],
+    dri_nodes: Mapping[str, tuple[DeviceNode, ...]],
+    *,
+    vendor: str | None = None,
+) -> tuple[GpuDevice, ...]:
+    """GPUs of every vendor from the PCI bus, numbered in PCI bus order.
+
+    PCI knows no vendor UUID, so ``uuid`` is the synthetic, stable ``PCI-<bus id>`` (for
+    example ``PCI-0000:03:00.0``). ``nodes`` are the DRI nodes, except for NVIDIA GPUs,
+    which containers get as ``/dev/nvidia<minor>``: that minor comes from NVML, nvidia-smi
+    or /proc/driver/nvidia, not from PCI. ``vendor`` (``nvidia``, ``amd``, ``intel`` or
+    ``other``) keeps one vendor's GPUs and numbers them alone, as that vendor's tools do;
+    otherwise a server's BMC VGA (``other``) takes an index too.
+    """
+    gpus = []
+    for device in gpu_pci_devices(pci_devices):
+        device_vendor = PCI_VENDORS.get(device.vendor_id, "other")
+        if vendor is not None and device_vendor != vendor:
+            continue
+        gpus.append(
+            GpuDevice(
+                index=0,  # numbered by sorted_by_pci
+                uuid=f"PCI-{device.slot}",
+                name=device.device_name or f"{device.vendor_id}:{device.device_id}",
+                pci_bus_id=device.slot,
+                vendor=device_vendor,
+                nodes=() if device_vendor == "nvidia" else dri_nodes.get(device.slot, ()),
+            )
+        )
+    return sorted_by_pci(gpus)
+
+
+# --- /proc/driver/nvidia -------------------------------------------------------------------
+
+
+def parse_proc_driver_information(text: str) -> dict[str, str]:
+    """``Key: value`` lines of ``/proc/driver/nvidia/gpus/<bus id>/information``."""
+    info = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info[key.strip()] = value.strip()
+    return info
+
+
+# --- NVIDIA, all sources -------------------------------------------------------------------
+
+
+def discover_nvidia(
+    *, nvidia_smi: str = "nvidia-smi", sysfs_root: Path = SYSFS_PCI_DEVICES
+) -> tuple[GpuDevice, ...]:
+    """NVIDIA GPUs from NVML, else from nvidia-smi; empty on a host without the NVIDIA driver.
+
+    A host without the driver has neither libnvidia-ml nor nvidia-smi: that gives ().
+    When a source is installed but fails, the failure is only harmless if no NVIDIA GPU
+    waits for the driver: every NVIDIA GPU on the PCI bus is passed through (bound to
+    vfio-pci or pci-stub), or there is none. Otherwise GPUs are being hidden (a kernel
+    module that did not load after an upgrade, device nodes missing from a container, a
+    GPU fallen off the bus), and this raises ``DiscoveryError`` with every source's error.
+    """
+    failures: list[DiscoveryError] = []
+    for source in (from_nvml, lambda: from_nvidia_smi(nvidia_smi)):
+        try:
+            return source()
+        except SourceNotFound:
+            continue
+        except DiscoveryError as exc:
+            failures.append(exc)
+    if not failures:
+        return ()
+    waiting = [
+        device.slot
+        for device in gpu_pci_devices(from_sysfs(sysfs_root))
+        if device.vendor_id == "10de" and device.driver not in PASSTHROUGH_DRIVERS
+    ]
+    if not waiting:
+        return ()
+    raise DiscoveryError(
+        f"NVIDIA GPUs at {', '.join(waiting)} are not passed through, but no discovery "
+        f"source lists them: {'; '.join(str(failure) for failure in failures)}"
+    )

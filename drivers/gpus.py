@@ -1,0 +1,82 @@
+"""The one inventory type every discovery source produces."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+NVIDIA_MAJOR = 195
+"""Character-device major of /dev/nvidia<minor> and /dev/nvidiactl (minor 255)."""
+NVIDIACTL_MINOR = 255
+CDI_KIND = "nvidia.com/gpu"
+
+_BUS_ID = re.compile(
+    r"^(?:(?P<domain>[0-9a-fA-F]{4,8}):)?(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})\.(?P<fn>[0-7])$"
+)
+
+
+def normalize_pci_bus_id(bus_id: str) -> str:
+    """Return the sysfs form ``0000:18:00.0`` of a PCI address.
+
+    nvidia-smi and NVML print an 8-digit domain (``00000000:18:00.0``), lspci without -D
+    none at all; sysfs, CDI specs and the vm driver use four lower-case digits.
+    """
+    match = _BUS_ID.match(bus_id.strip())
+    if not match:
+        raise ValueError(f"not a PCI bus id: {bus_id!r}")
+    domain = int(match["domain"] or "0", 16)
+    return f"{domain:04x}:{match['bus'].lower()}:{match['dev'].lower()}.{match['fn']}"
+
+
+@dataclass(frozen=True, order=True)
+class DeviceNode:
+    """A character device that carries a GPU into a sandbox.
+
+    ``path`` is where the node appears inside a sandbox; ``host_path`` is where it lives on
+    the host when that differs (a simulated host keeps its nodes under its own directory).
+    """
+
+    path: str
+    major: int
+    minor: int
+    host_path: str | None = None
+
+    @property
+    def source(self) -> str:
+        return self.host_path or self.path
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """One GPU a driver can hand out.
+
+    ``index`` is the host's index in PCI bus order (what nvidia-smi prints on the host);
+    inside a sandbox GPUs are renumbered, so tests compare ``uuid``, never ``index``.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_mib: int | None = None
+    vendor: str = "nvidia"
+    minor: int | None = None
+    nodes: tuple[DeviceNode, ...] = field(default=())
+
+    @property
+    def cdi_names(self) -> tuple[str, ...]:
+        """The CDI device names an nvidia-ctk spec gives this GPU: by index and by UUID."""
+        return (f"{CDI_KIND}={self.index}", f"{CDI_KIND}={self.uuid}")
+
+    def native_ids(self) -> tuple[str, ...]:
+        """Every exact ID this GPU answers to: index, UUID, PCI bus id and CDI names."""
+        return (str(self.index), self.uuid, self.pci_bus_id, *self.cdi_names)
+
+    def describe(self) -> str:
+        return f"GPU {self.index} ({self.uuid}, {self.pci_bus_id})"
+
+
+def sorted_by_pci(gpus: list[GpuDevice]) -> tuple[GpuDevice, ...]:
+    """Order GPUs by PCI bus id and renumber them from 0, as nvidia-smi does."""
+    ordered = sorted(gpus, key=lambda gpu: gpu.pci_bus_id)
+    return tuple(replace(gpu, index=i) for i, gpu in enumerate(ordered))

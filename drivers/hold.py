@@ -1,0 +1,155 @@
+"""``python -m drivers.hold``: create one sandbox in a process of its own and hold it.
+
+The conformance suite uses it to contend for GPUs from separate processes and to kill a
+sandbox's creator. Protocol, one JSON object per line: it waits for a line on stdin
+(``go``), creates the sandbox, prints ``{"ok": true, "sandbox": ..., "gpus": [uuids]}`` or
+``{"ok": false, "error": <type>, "message": ...}``, then holds the sandbox until stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from drivers import REGISTRY, get_driver_class
+from drivers.base import Driver
+from drivers.errors import DriverError
+from drivers.host import GpuHost, HostConfig
+from drivers.spec import SandboxSpec, parse_spec
+
+REPLY_TIMEOUT_S = 60.0
+"""A holder imports the driver and creates one sandbox; a minute means it is stuck."""
+
+
+class HeldSandbox:
+    """The parent's side of ``python -m drivers.hold``: one sandbox in another process."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls, driver: Driver, host: HostConfig, spec: SandboxSpec) -> HeldSandbox:
+        """Start a holder process; it creates its sandbox once told to ``go``."""
+        cls_path = f"{type(driver).__module__}:{type(driver).__qualname__}"
+        name = driver.name if REGISTRY.get(driver.name) == cls_path else cls_path
+        argv = [
+            sys.executable, "-m", "drivers.hold",
+            f"--driver={name}", f"--session={driver.session_id}",
+            f"--spec={json.dumps(_spec_to_dict(spec))}", *host.as_args(),
+        ]  # fmt: skip
+        if driver.image:
+            argv.append(f"--image={driver.image}")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        return cls(process)
+
+    def send_go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
+        """The holder's reply: ``ok`` with its sandbox and GPUs, or the error it got."""
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], REPLY_TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise RuntimeError(
+                f"holder process {self.process.pid} gave no reply within {REPLY_TIMEOUT_S:g} s "
+                f"(exit code {self.process.poll()})"
+            )
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def go(self) -> dict[str, Any]:
+        self.send_go()
+        return self.result()
+
+    def kill(self) -> None:
+        """SIGKILL the holder process, as a crash of a sandbox's creator would."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def close(self) -> None:
+        """Let the holder close its sandbox and exit."""
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(REPLY_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> HeldSandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _spec_to_dict(spec: SandboxSpec) -> dict[str, Any]:
+    data: dict[str, Any] = {"env": dict(spec.env)}
+    if spec.image:
+        data["image"] = spec.image
+    if spec.gpu is not None:
+        data["resource_requirements"] = {
+            "gpu": {k: v for k, v in asdict(spec.gpu).items() if v is not None}
+        }
+    if spec.driver_config:
+        data["driver_config"] = {k: dict(v) for k, v in spec.driver_config.items()}
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m drivers.hold", description=__doc__)
+    parser.add_argument("--driver", required=True)
+    parser.add_argument("--session", required=True)
+    parser.add_argument("--spec", required=True, help="the sandbox spec as JSON")
+    parser.add_argument("--sim-root", type=Path)
+    parser.add_argument("--gpu-state-dir", type=Path)
+    parser.add_argument("--image")
+    args = parser.parse_args(argv)
+
+    host = GpuHost.open(HostConfig(args.sim_root, args.gpu_state_dir))
+    driver = get_driver_class(args.driver)(host, args.session, args.image)
+    spec = parse_spec(args.spec)
+    if not sys.stdin.readline():
+        return 0
+    try:
+        sandbox = driver.create(spec)
+    except DriverError as exc:
+        _reply({"ok": False, "error": type(exc).__name__, "message": str(exc)})
+        return 0
+    with sandbox:
+        _reply({"ok": True, "sandbox": sandbox.id, "gpus": [gpu.uuid for gpu in sandbox.gpus]})
+        sys.stdin.read()
+    return 0
+
+
+def _reply(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

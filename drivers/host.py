@@ -1,0 +1,80 @@
+"""The GPU host the local drivers share: its inventory and its one lease registry."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from drivers.gpus import DeviceNode, GpuDevice
+from drivers.ownership import LeaseRegistry
+from drivers.simgpu import SimulatedHost
+from drivers.simgpu import load as load_simulated
+
+DEFAULT_STATE_DIR = Path("/run/gpu-sandbox")
+STATE_DIR_ENV = "GPU_SANDBOX_STATE_DIR"
+# The NVIDIA nodes a CUDA process needs besides its GPUs' own; absent ones are skipped.
+REAL_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How to find the host again, e.g. from another process: a simulated root, or real."""
+
+    sim_root: Path | None = None
+    state_dir: Path | None = None
+
+    def as_args(self) -> list[str]:
+        args = [f"--sim-root={self.sim_root}"] if self.sim_root else []
+        return args + ([f"--gpu-state-dir={self.state_dir}"] if self.state_dir else [])
+
+
+@dataclass(frozen=True)
+class GpuHost:
+    config: HostConfig
+    gpus: tuple[GpuDevice, ...]
+    control_nodes: tuple[DeviceNode, ...]
+    leases: LeaseRegistry
+    simulated: SimulatedHost | None = None
+
+    @classmethod
+    def open(cls, config: HostConfig) -> GpuHost:
+        """The simulated host under ``config.sim_root``, or else this machine's real GPUs."""
+        if config.sim_root is not None:
+            sim = load_simulated(config.sim_root)
+            return cls(
+                config=config,
+                gpus=sim.gpus,
+                control_nodes=sim.control_nodes,
+                leases=LeaseRegistry(config.state_dir or sim.lease_dir),
+                simulated=sim,
+            )
+        from drivers.discovery import discover_nvidia
+
+        state_dir = config.state_dir or Path(os.environ.get(STATE_DIR_ENV, DEFAULT_STATE_DIR))
+        return cls(
+            config=config,
+            gpus=discover_nvidia(),
+            control_nodes=_real_control_nodes(),
+            leases=LeaseRegistry(state_dir / "leases"),
+        )
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return "no GPUs found"
+        models = sorted({gpu.name for gpu in self.gpus})
+        kind = f"simulated GPUs under {self.simulated.root}" if self.simulated else "real GPUs"
+        return f"{len(self.gpus)} x {', '.join(models)} ({kind})"
+
+
+def _real_control_nodes() -> tuple[DeviceNode, ...]:
+    nodes = []
+    for name in REAL_CONTROL_NODES:
+        try:
+            st = os.stat(f"/dev/{name}")
+        except FileNotFoundError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            nodes.append(DeviceNode(f"/dev/{name}", os.major(st.st_rdev), os.minor(st.st_rdev)))
+    return tuple(nodes)

@@ -1,0 +1,263 @@
+"""Host-wide GPU ownership: one lease registry per host, shared by every local driver.
+
+The registry is a JSON file guarded by an ``flock`` on a sibling lock file, so grants are
+atomic across threads *and* processes: two drivers, two pytest-xdist workers or two users
+never hand out the same GPU. Each lease names its holder with a liveness handle (a process
+id plus its start time, or a container id a driver knows how to check); a lease whose holder
+is gone is reclaimed by the next request, so a crashed sandbox cannot keep a GPU.
+
+Selection is deterministic: the lowest free GPUs in PCI order. Every lease is exclusive
+today; ``mode`` is recorded per lease so a later shared mode only has to change
+``_conflicts``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from drivers.errors import GpuBusy, GpusExhausted
+from drivers.gpus import GpuDevice
+
+EXCLUSIVE = "exclusive"
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What keeps a lease alive: ``kind`` picks the liveness check, ``ref`` identifies it."""
+
+    kind: str
+    ref: str
+
+    @classmethod
+    def process(cls, pid: int) -> Holder:
+        """The process ``pid``, pinned by its start time so a reused pid is not mistaken."""
+        return cls("process", f"{_boot_id()}:{pid}:{_start_time(pid)}")
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.ref}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    gpu_uuid: str
+    driver: str
+    sandbox_id: str
+    session_id: str
+    holder: Holder
+    mode: str = EXCLUSIVE
+    acquired_at: float = 0.0
+
+    def describe(self) -> str:
+        return f"sandbox {self.sandbox_id} of the {self.driver} driver, held by {self.holder}"
+
+
+@dataclass(frozen=True)
+class LeaseOwner:
+    """Who asks: stamped on every lease the request grants."""
+
+    driver: str
+    sandbox_id: str
+    session_id: str
+    holder: Holder
+
+
+LivenessCheck = Callable[[Holder], bool]
+
+
+def _process_alive(holder: Holder) -> bool:
+    boot_id, pid, start = holder.ref.split(":")
+    if boot_id != _boot_id():
+        return False
+    try:
+        fields = _stat_fields(int(pid))
+    except FileNotFoundError:
+        return False
+    # A zombie has exited: its parent just has not reaped it yet.
+    return fields[19] == start and fields[0] not in ("Z", "X")
+
+
+LIVENESS_CHECKS: dict[str, LivenessCheck] = {"process": _process_alive}
+"""Liveness per holder kind. Drivers whose sandboxes outlive a process (containers) add theirs.
+
+A holder of a kind with no check is treated as alive: the registry never takes a GPU back
+from a holder it cannot prove is gone.
+"""
+
+
+class LeaseRegistry:
+    """The lease file of one host (or of one simulated host) under ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._path = directory / "leases.json"
+        self._thread_lock = threading.Lock()
+        self._owner_pid = -1
+        self._file_fd = -1
+
+    def acquire(
+        self,
+        inventory: Sequence[GpuDevice],
+        owner: LeaseOwner,
+        *,
+        count: int = 0,
+        exact: Sequence[GpuDevice] = (),
+    ) -> tuple[GpuDevice, ...]:
+        """Grant ``exact`` devices, or else the ``count`` lowest free ones, atomically."""
+        with self._locked() as leases:
+            held = {lease.gpu_uuid: lease for lease in leases}
+            if exact:
+                for gpu in exact:
+                    if _conflicts(held.get(gpu.uuid), EXCLUSIVE):
+                        raise GpuBusy(gpu.describe(), held[gpu.uuid].describe())
+                granted = tuple(exact)
+            else:
+                free = [gpu for gpu in inventory if not _conflicts(held.get(gpu.uuid), EXCLUSIVE)]
+                if len(free) < count:
+                    raise GpusExhausted(count, len(free), len(inventory))
+                granted = tuple(free[:count])
+            now = time.time()
+            leases.extend(
+                Lease(
+                    gpu.uuid,
+                    owner.driver,
+                    owner.sandbox_id,
+                    owner.session_id,
+                    owner.holder,
+                    EXCLUSIVE,
+                    now,
+                )
+                for gpu in granted
+            )
+            return granted
+
+    def set_holder(self, sandbox_id: str, holder: Holder) -> None:
+        """Hand a sandbox's leases to the process or container that now embodies it."""
+        with self._locked() as leases:
+            leases[:] = [
+                replace(lease, holder=holder) if lease.sandbox_id == sandbox_id else lease
+                for lease in leases
+            ]
+
+    def release(self, sandbox_id: str) -> int:
+        """Drop a sandbox's leases; releasing twice is harmless. Returns how many were held."""
+        with self._locked() as leases:
+            kept = [lease for lease in leases if lease.sandbox_id != sandbox_id]
+            released = len(leases) - len(kept)
+            leases[:] = kept
+            return released
+
+    def release_session(self, session_id: str) -> list[Lease]:
+        """Drop every lease a test session took (what ``reap`` calls)."""
+        with self._locked() as leases:
+            gone = [lease for lease in leases if lease.session_id == session_id]
+            leases[:] = [lease for lease in leases if lease.session_id != session_id]
+            return gone
+
+    def leases(self) -> list[Lease]:
+        """The live leases, after reclaiming those whose holders are gone."""
+        with self._locked() as leases:
+            return list(leases)
+
+    def free(self, inventory: Sequence[GpuDevice]) -> tuple[GpuDevice, ...]:
+        held = {lease.gpu_uuid for lease in self.leases()}
+        return tuple(gpu for gpu in inventory if gpu.uuid not in held)
+
+    @contextmanager
+    def _locked(self) -> Iterator[list[Lease]]:
+        """Hold the host lock; yield the live leases; write them back if they changed.
+
+        ``flock`` excludes other open files (other processes, other registries); the thread
+        lock excludes threads sharing this one. The file is rewritten in place with a single
+        ``pwrite`` (a signal cannot split it) and then truncated, which is several times
+        faster than write-and-rename; a writer killed between the two leaves valid JSON
+        followed by stale bytes, which ``_load`` ignores.
+        """
+        with self._thread_lock:
+            fd = self._fd()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                stored = self._load(fd)
+                leases = [lease for lease in stored if _alive(lease.holder)]
+                yield leases
+                if leases != stored:
+                    data = json.dumps(
+                        {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
+                    ).encode()
+                    os.pwrite(fd, data, 0)
+                    os.ftruncate(fd, len(data))
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _fd(self) -> int:
+        # A forked child must not share its parent's open file: flock would not exclude them.
+        if self._owner_pid != os.getpid():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file_fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._owner_pid = os.getpid()
+        return self._file_fd
+
+    @staticmethod
+    def _load(fd: int) -> list[Lease]:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return []
+        raw, _ = json.JSONDecoder().raw_decode(os.pread(fd, size, 0).decode())
+        return [_lease_from_dict(item) for item in raw["leases"]]
+
+
+def _conflicts(existing: Lease | None, mode: str) -> bool:
+    # Exclusive is the only mode today: any existing lease conflicts.
+    return existing is not None
+
+
+def _alive(holder: Holder) -> bool:
+    check = LIVENESS_CHECKS.get(holder.kind)
+    return True if check is None else check(holder)
+
+
+def _lease_to_dict(lease: Lease) -> dict[str, Any]:
+    # Hand-written rather than dataclasses.asdict, which deep-copies and is the hot spot.
+    return {
+        "gpu_uuid": lease.gpu_uuid,
+        "driver": lease.driver,
+        "sandbox_id": lease.sandbox_id,
+        "session_id": lease.session_id,
+        "holder": {"kind": lease.holder.kind, "ref": lease.holder.ref},
+        "mode": lease.mode,
+        "acquired_at": lease.acquired_at,
+    }
+
+
+def _lease_from_dict(item: Mapping[str, Any]) -> Lease:
+    return Lease(**{**item, "holder": Holder(**item["holder"])})
+
+
+_BOOT_ID: str | None = None
+
+
+def _boot_id() -> str:
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return _BOOT_ID
+
+
+def _stat_fields(pid: int) -> list[str]:
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        raw = stat.read().decode()
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> str:
+    return _stat_fields(pid)[19]

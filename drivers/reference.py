@@ -1,0 +1,290 @@
+"""The reference driver: a bubblewrap sandbox holding exactly the GPUs it was given.
+
+Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.4 or newer), ``nsenter``
+(util-linux), and NVIDIA GPUs, real or simulated (``drivers.simgpu``).
+
+Each sandbox is a read-only view of the host root with a private ``/dev`` holding only
+its GPUs' ``/dev/nvidia<minor>`` nodes and the control nodes, private ``/tmp`` and
+``/run``, no network, its own pid namespace, and (on a real host) a
+``/proc/driver/nvidia/gpus`` listing only its GPUs. It lives until closed and dies with
+the process that created it. Commands run inside it with ``nsenter`` into its namespaces.
+GPUs come from the host-wide lease registry: exclusive, lowest free first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
+from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
+from drivers.gpus import GpuDevice
+from drivers.ownership import Holder, LeaseOwner
+from drivers.simgpu import SANDBOX_SHARE
+from drivers.spec import DriverCapabilities, SandboxSpec
+
+START_TIMEOUT_S = 10.0
+"""bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
+CLOSE_TIMEOUT_S = 5.0
+SESSION_ENV = "GPU_SANDBOX_SESSION"
+SANDBOX_ENV = "GPU_SANDBOX_ID"
+_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_HIDDEN_BY_TMPFS = (Path("/tmp"), Path("/run"))
+_PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+_spawners: dict[int, ThreadPoolExecutor] = {}
+_spawners_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start bwrap from one long-lived thread per process.
+
+    ``--die-with-parent`` is PR_SET_PDEATHSIG, which fires when the *thread* that forked
+    the sandbox exits; a sandbox created from a short-lived worker thread would die with it.
+    """
+    with _spawners_lock:
+        spawner = _spawners.get(os.getpid())
+        if spawner is None:
+            spawner = _spawners[os.getpid()] = ThreadPoolExecutor(1, "sandbox-spawner")
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, **kwargs)
+
+    return spawner.submit(start).result()
+
+
+class ReferenceDriver(Driver):
+    name = "reference"
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return DriverCapabilities(
+            max_gpus_per_sandbox=len(self.host.gpus),
+            exact_ids=True,
+            exact_id_forms="a host index, a UUID (GPU-...) or a CDI name (nvidia.com/gpu=...)",
+            exclusive=True,
+        )
+
+    def probe(self) -> Availability:
+        missing = [tool for tool in ("bwrap", "nsenter") if not shutil.which(tool)]
+        if missing:
+            return Availability(
+                False,
+                f"needed {', '.join(missing)} on PATH (found none; "
+                "apt-get install bubblewrap util-linux)",
+            )
+        if not self.host.gpus:
+            return Availability(
+                False,
+                "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
+                "use --sim-root for a simulated GPU host)",
+            )
+        trial = subprocess.run(
+            ["bwrap", "--ro-bind", "/", "/", "--unshare-all", "--dev", "/dev", "true"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if trial.returncode != 0:
+            return Availability(
+                False,
+                f"needed bwrap to create namespaces (found: exit {trial.returncode}, "
+                f"{trial.stderr.strip()}; unprivileged user namespaces may be disabled)",
+            )
+        return Availability(True)
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        return self.host.gpus
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        return (str(gpu.index), gpu.uuid, *gpu.cdi_names)
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        plan = self.validate(spec)
+        sandbox_id = uuid.uuid4().hex[:12]
+        gpus: tuple[GpuDevice, ...] = ()
+        if plan is not None:
+            exact = self.resolve(plan) if plan.device_ids else ()
+            owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+            gpus = self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
+        try:
+            return ReferenceSandbox(self, sandbox_id, gpus, spec.env)
+        except BaseException:
+            self.host.leases.release(sandbox_id)
+            raise
+
+    def sandboxes(self, session_id: str) -> list[str]:
+        return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
+
+    def reap(self, session_id: str) -> list[str]:
+        found = _bwrap_processes(session_id)
+        for _, pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        released = self.host.leases.release_session(session_id)
+        return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        """The bwrap command line of a sandbox holding ``gpus``."""
+        argv = [
+            "bwrap",
+            "--ro-bind", "/", "/",
+            "--dev", "/dev",
+            "--proc", "/proc",
+            "--tmpfs", "/tmp",
+            "--tmpfs", "/run",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--chdir", "/tmp",
+            "--setenv", SESSION_ENV, self.session_id,
+            "--setenv", SANDBOX_ENV, sandbox_id,
+        ]  # fmt: skip
+        sim = self.host.simulated
+        if sim is not None:
+            if not any(sim.root.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
+                argv += ["--tmpfs", str(sim.root)]
+            argv += ["--ro-bind", str(sim.share_dir), SANDBOX_SHARE]
+        # Device binds come after `--dev /dev`, which would otherwise hide them.
+        if gpus:
+            for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:
+                argv += ["--dev-bind", node.source, node.path]
+        if sim is None and _PROC_NVIDIA_GPUS.is_dir():
+            argv += ["--tmpfs", str(_PROC_NVIDIA_GPUS)]
+            for gpu in gpus:
+                entry = _PROC_NVIDIA_GPUS / gpu.pci_bus_id
+                if entry.exists():
+                    argv += ["--ro-bind", str(entry), str(entry)]
+        return argv
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        path = _BASE_PATH if self.host.simulated is None else f"{SANDBOX_SHARE}/bin:{_BASE_PATH}"
+        return {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", **extra}
+
+
+class ReferenceSandbox(Sandbox):
+    def __init__(
+        self,
+        driver: ReferenceDriver,
+        sandbox_id: str,
+        gpus: tuple[GpuDevice, ...],
+        env: Mapping[str, str],
+    ) -> None:
+        super().__init__(sandbox_id, driver.name, gpus)
+        self._driver = driver
+        self._env = driver.sandbox_env(env)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._process, self._child_pid = self._start(driver.bwrap_argv(sandbox_id, gpus))
+        driver.host.leases.set_holder(sandbox_id, Holder.process(self._process.pid))
+
+    @property
+    def pid(self) -> int:
+        """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
+        return self._process.pid
+
+    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+        info_read, info_write = os.pipe()
+        # The init announces itself, then waits on stdin: the sandbox ends when we close it
+        # or when this process dies and the pipe breaks.
+        process = _spawn(
+            [*argv, "--info-fd", str(info_write), "sh", "-c", "echo ready; exec cat"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(info_write,),
+            env=self._env,
+        )
+        os.close(info_write)
+        assert process.stdout is not None
+        with os.fdopen(info_read, "rb") as info:
+            ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+            if not ready or process.stdout.readline() != b"ready\n":
+                process.kill()
+                _, stderr = process.communicate()
+                raise SandboxStartError(
+                    f"sandbox {self.id} did not start within {START_TIMEOUT_S:g} s "
+                    f"(bwrap exit {process.returncode}): {stderr.decode(errors='replace').strip()}"
+                )
+            child_pid = int(json.loads(info.read())["child-pid"])
+        return process, child_pid
+
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        if self._closed or self._process.poll() is not None:
+            raise SandboxExecError(f"sandbox {self.id} is not running; cannot run {list(argv)!r}")
+        # No setpriv --no-new-privs here: every mount bwrap makes is nosuid, so there is
+        # no setuid or file-capability binary to gain privileges from, and it costs an exec.
+        process = subprocess.Popen(
+            ["nsenter", f"--target={self._child_pid}", "--all", "--root", "--wd", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self._env,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # nsenter forked the command inside the sandbox's pid namespace; it shares the
+            # process group started here, so the group kill reaches it.
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise ExecTimeout(argv, timeout) from None
+        return ExecResult(
+            tuple(argv),
+            process.returncode,
+            stdout.decode(errors="replace"),
+            stderr.decode(errors="replace"),
+        )
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            try:
+                self._process.wait(CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            for stream in (self._process.stdout, self._process.stderr):
+                if stream is not None:
+                    stream.close()
+        finally:
+            self._driver.host.leases.release(self.id)
+
+    def kill(self) -> None:
+        self._process.send_signal(signal.SIGKILL)
+
+
+def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
+    """(sandbox id, pid) of every bwrap process stamped with ``session_id``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"bwrap"):
+            continue
+        args = [arg.decode(errors="replace") for arg in argv]
+        pairs = {args[i + 1]: args[i + 2] for i, arg in enumerate(args[:-2]) if arg == "--setenv"}
+        if pairs.get(SESSION_ENV) == session_id and SANDBOX_ENV in pairs:
+            found.append((pairs[SANDBOX_ENV], int(proc.name)))
+    return found

@@ -1,0 +1,36 @@
+"""``python -m drivers.simgpu setup|teardown|show``: manage a simulated GPU host."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from drivers.simgpu import DEFAULT_COUNT, DEFAULT_ROOT, SimulatedHostError, load, setup, teardown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m drivers.simgpu", description=__doc__)
+    parser.add_argument("action", choices=("setup", "teardown", "show"))
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="state directory")
+    parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help="GPUs to simulate")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "teardown":
+            teardown(args.root)
+            print(f"removed the simulated GPU host at {args.root}")
+            return 0
+        host = setup(args.root, args.count) if args.action == "setup" else load(args.root)
+    except SimulatedHostError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"simulated GPU host at {host.root}: {len(host.gpus)} GPUs (CDI spec {host.cdi_spec})")
+    for gpu in host.gpus:
+        print(
+            f"  GPU {gpu.index}: {gpu.name} ({gpu.uuid}, {gpu.pci_bus_id}, /dev/nvidia{gpu.minor})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

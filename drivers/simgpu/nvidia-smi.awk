@@ -1,0 +1,140 @@
+# The logic of the simulated nvidia-smi. ARGV[1] is the inventory (minor, uuid, name,
+# pci bus id, memory MiB; tab-separated), ARGV[2] the visible nodes as `stat -c '%F|%t|%T'`
+# lines, ARGV[3..] the user's arguments. Everything happens in BEGIN.
+
+function hex2dec(h,    i, d) {
+    h = tolower(h); d = 0
+    for (i = 1; i <= length(h); i++) d = d * 16 + index("0123456789abcdef", substr(h, i, 1)) - 1
+    return d
+}
+
+function fail(message, code) {
+    print message > "/dev/stderr"
+    exit_code = code
+    exit code
+}
+
+function usage() {
+    print "nvidia-smi (simulated GPU host)"
+    print "  -L, --list-gpus               list the visible GPUs"
+    print "  -i, --id=ID[,ID...]           select GPUs by index, UUID or PCI bus id"
+    print "  --query-gpu=FIELD[,FIELD...]  query fields: " supported
+    print "  --format=csv[,noheader][,nounits]"
+}
+
+function bus_key(b) {
+    # 00000000:18:00.0 and 0000:18:00.0 name the same device.
+    b = tolower(b); sub(/^0+:/, ":", b); sub(/^0+/, "", b)
+    return b
+}
+
+function selected(i,    k, want) {
+    if (ids == "") return 1
+    for (k = 1; k <= nid; k++) {
+        want = idlist[k]
+        if (want == (i - 1) "" || want == uuid[i] || bus_key(want) == bus_key(bus[i])) return 1
+    }
+    return 0
+}
+
+function value(field, i,    v) {
+    if (field == "index") return i - 1
+    if (field == "uuid" || field == "gpu_uuid") return uuid[i]
+    if (field == "name" || field == "gpu_name") return name[i]
+    if (field == "pci.bus_id" || field == "gpu_bus_id") return bus[i]
+    if (field == "minor_number") return minor[i]
+    if (field == "count") return n
+    if (field == "driver_version") return "simulated"
+    if (field == "memory.total" || field == "memory.free") return mem[i] (nounits ? "" : " MiB")
+    if (field == "memory.used") return 0 (nounits ? "" : " MiB")
+    return ""
+}
+
+function header(field) {
+    if (field ~ /^memory\./) return field " [MiB]"
+    return field
+}
+
+BEGIN {
+    supported = "index,uuid,gpu_uuid,name,gpu_name,pci.bus_id,gpu_bus_id,minor_number,count,driver_version,memory.total,memory.free,memory.used"
+    split(supported, tmp, ","); for (k in tmp) known[tmp[k]] = 1
+
+    nl = split(ARGV[2], lines, "\n")
+    for (k = 1; k <= nl; k++) {
+        split(lines[k], part, "|")
+        if (part[1] == "character special file" && hex2dec(part[2]) == 195)
+            visible[hex2dec(part[3])] = 1
+    }
+
+    mode = "table"; query = ""; format = ""; ids = ""
+    for (a = 3; a < ARGC; a++) {
+        arg = ARGV[a]
+        if (arg == "-L" || arg == "--list-gpus") mode = "list"
+        else if (arg == "-h" || arg == "--help") { usage(); exit 0 }
+        else if (arg == "-i" || arg == "--id") ids = ARGV[++a]
+        else if (arg ~ /^--id=/) ids = substr(arg, 6)
+        else if (arg ~ /^-i[^-]/) ids = substr(arg, 3)
+        else if (arg == "--query-gpu") { mode = "query"; query = ARGV[++a] }
+        else if (arg ~ /^--query-gpu=/) { mode = "query"; query = substr(arg, 13) }
+        else if (arg == "--format") format = ARGV[++a]
+        else if (arg ~ /^--format=/) format = substr(arg, 10)
+        else fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.", 2)
+    }
+    nid = split(ids, idlist, ",")
+
+    n = 0
+    while ((getline line < ARGV[1]) > 0) {
+        if (line == "" || line ~ /^#/) continue
+        split(line, f, "\t")
+        if (!((f[1] + 0) in visible)) continue
+        n++; minor[n] = f[1] + 0; uuid[n] = f[2]; name[n] = f[3]; bus[n] = f[4]; mem[n] = f[5]
+    }
+    # Number the visible GPUs from 0 in PCI bus order, as nvidia-smi does.
+    for (i = 2; i <= n; i++)
+        for (j = i; j > 1 && bus[j - 1] > bus[j]; j--) {
+            t = minor[j]; minor[j] = minor[j - 1]; minor[j - 1] = t
+            t = uuid[j]; uuid[j] = uuid[j - 1]; uuid[j - 1] = t
+            t = name[j]; name[j] = name[j - 1]; name[j - 1] = t
+            t = bus[j]; bus[j] = bus[j - 1]; bus[j - 1] = t
+            t = mem[j]; mem[j] = mem[j - 1]; mem[j - 1] = t
+        }
+
+    if (mode == "query") {
+        if (format !~ /^csv(,(noheader|nounits))*$/)
+            fail("'--format' requires 'csv' (optionally ',noheader' and ',nounits').", 2)
+        noheader = format ~ /noheader/; nounits = format ~ /nounits/
+        nf = split(query, fields, ",")
+        for (k = 1; k <= nf; k++) {
+            gsub(/ /, "", fields[k])
+            if (!(fields[k] in known))
+                fail("Field \"" fields[k] "\" is not a valid field to query.", 2)
+        }
+    }
+    shown = 0
+    for (i = 1; i <= n; i++) if (selected(i)) shown++
+    if (shown == 0) fail("No devices were found", 6)
+
+    if (mode == "query" && !noheader) {
+        out = ""
+        for (k = 1; k <= nf; k++) out = out (k > 1 ? ", " : "") header(fields[k])
+        print out
+    }
+    if (mode == "table") {
+        print "+-----------------------------------------------------------------------------+"
+        print "| NVIDIA-SMI simulated     Driver Version: simulated     CUDA Version: N/A     |"
+        print "| GPU  Name                             Bus-Id            Memory-Usage         |"
+        print "+-----------------------------------------------------------------------------+"
+    }
+    for (i = 1; i <= n; i++) {
+        if (!selected(i)) continue
+        if (mode == "list") printf "GPU %d: %s (UUID: %s)\n", i - 1, name[i], uuid[i]
+        else if (mode == "table")
+            printf "| %3d  %-32s %-17s %6d MiB / %6d MiB |\n", i - 1, name[i], bus[i], 0, mem[i]
+        else {
+            out = ""
+            for (k = 1; k <= nf; k++) out = out (k > 1 ? ", " : "") value(fields[k], i)
+            print out
+        }
+    }
+    exit 0
+}

@@ -1,0 +1,342 @@
+"""The request model: a frozen ``SandboxSpec`` parsed strictly from the user's dict or JSON.
+
+Portable intent lives in ``resource_requirements.gpu`` (absent: no GPU; present with no
+count: the default request of one GPU; ``count: N``: N GPUs). Exact device choice is
+driver-native and lives in ``driver_config.<driver>.gpu_device_ids``, of which only the
+active driver's block is read.
+
+Validation runs in two steps, both before anything is allocated:
+
+1. ``parse_spec`` checks the shape every driver shares (types, known keys, the count).
+2. ``validate_gpu_request`` checks the active driver's block against its capabilities, in
+   the order upstream drivers use: malformed block, count, capability, ID consistency.
+
+``SandboxSpec`` is the request as given; ``GpuPlan`` is the request once validated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from drivers.errors import (
+    DuplicateGpuDevice,
+    GpuCountMismatch,
+    GpuDevicesWithoutRequest,
+    InvalidDriverConfig,
+    InvalidGpuCount,
+    InvalidGpuRequest,
+    UnsupportedGpuRequest,
+)
+
+DEFAULT_GPU_COUNT = 1
+DEVICE_IDS_KEY = "gpu_device_ids"
+# Upstream renamed the docker/podman key; both spellings are accepted there.
+DEVICE_IDS_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"docker": ("cdi_devices",), "podman": ("cdi_devices",)}
+)
+_SPEC_KEYS = frozenset({"image", "env", "resource_requirements", "driver_config"})
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """``resource_requirements.gpu`` as given: ``count=None`` is the default request.
+
+    The count is kept as the user wrote it; ``validate_gpu_request`` checks it in its turn
+    (after the active driver's block), so errors come in the documented order.
+    """
+
+    count: Any = None
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a user asks a driver for; immutable once parsed."""
+
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    gpu: GpuRequest | None = None
+    driver_config: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @classmethod
+    def with_gpus(
+        cls,
+        count: Any = None,
+        *,
+        driver: str | None = None,
+        device_ids: list[str] | None = None,
+        image: str | None = None,
+    ) -> SandboxSpec:
+        """A GPU request, optionally with exact IDs for ``driver`` (a convenience for tests)."""
+        config = {driver: {DEVICE_IDS_KEY: device_ids}} if driver and device_ids is not None else {}
+        return cls(image=image, gpu=GpuRequest(count), driver_config=_freeze(config))
+
+
+@dataclass(frozen=True)
+class DriverCapabilities:
+    """What a driver declares it can do; the validator and the catalogue read it."""
+
+    max_gpus_per_sandbox: int
+    exact_ids: bool
+    exact_id_forms: str = ""
+    """Human-readable native forms accepted in ``gpu_device_ids``, for error messages."""
+    exclusive: bool = True
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """A validated request: how many GPUs, and which native IDs when exact."""
+
+    count: int
+    device_ids: tuple[str, ...] = ()
+    field: str = "resource_requirements.gpu"
+
+
+def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
+    """Parse the user-facing dict (or its JSON text) into a ``SandboxSpec``."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidGpuRequest("spec", data, f"spec is not valid JSON: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise InvalidGpuRequest(
+            "spec", data, f"spec must be an object, got {_kind(data)}: {data!r}"
+        )
+    _reject_unknown_keys("spec", data, _SPEC_KEYS, InvalidGpuRequest)
+
+    image = data.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise InvalidGpuRequest("image", image, f"image must be a non-empty string, got {image!r}")
+    env = data.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise InvalidGpuRequest("env", env, f"env must map strings to strings, got {env!r}")
+
+    return SandboxSpec(
+        image=image,
+        env=MappingProxyType(dict(env)),
+        driver_config=_parse_driver_config(data.get("driver_config", {})),
+        gpu=_parse_gpu(data.get("resource_requirements")),
+    )
+
+
+def parse_driver_config_json(text: str) -> Mapping[str, Mapping[str, Any]]:
+    """Parse ``--driver-config-json``: the driver-keyed envelope alone."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidDriverConfig(
+            "driver_config", text, f"driver_config is not valid JSON: {exc}"
+        ) from None
+    return _parse_driver_config(value)
+
+
+def validate_gpu_request(
+    spec: SandboxSpec, driver: str, caps: DriverCapabilities
+) -> GpuPlan | None:
+    """Check the active driver's block and the GPU request; ``None`` means no GPU asked for.
+
+    Other drivers' blocks are not read, but a spec that names exact devices only for other
+    drivers is refused: those devices would otherwise be dropped silently.
+    """
+    ids_field, device_ids = _active_device_ids(spec, driver)
+    count = None if spec.gpu is None else _checked_count(spec.gpu.count)
+
+    if count is not None and count > caps.max_gpus_per_sandbox:
+        raise UnsupportedGpuRequest(
+            "resource_requirements.gpu.count",
+            count,
+            f"gpu count ({count}) exceeds the {driver} driver's maximum of "
+            f"{caps.max_gpus_per_sandbox} GPUs per sandbox",
+        )
+    if device_ids and not caps.exact_ids:
+        raise UnsupportedGpuRequest(
+            ids_field,
+            list(device_ids),
+            f"the {driver} driver does not support exact GPU device IDs; "
+            f"{ids_field} = {list(device_ids)!r}: request a count instead",
+        )
+
+    if device_ids is None:
+        return None if count is None else GpuPlan(count=count)
+    if spec.gpu is None:
+        raise GpuDevicesWithoutRequest(
+            ids_field,
+            list(device_ids),
+            f"{ids_field} requires a gpu request (got {list(device_ids)!r} "
+            "without resource_requirements.gpu)",
+        )
+    seen: set[str] = set()
+    for device_id in device_ids:
+        if device_id in seen:
+            raise DuplicateGpuDevice(
+                ids_field, device_id, f"{ids_field} contains duplicate device ID '{device_id}'"
+            )
+        seen.add(device_id)
+    if spec.gpu.count is not None and count != len(device_ids):
+        raise GpuCountMismatch(
+            ids_field,
+            list(device_ids),
+            f"gpu count ({count}) must match {ids_field} length ({len(device_ids)})",
+        )
+    if len(device_ids) > caps.max_gpus_per_sandbox:
+        raise UnsupportedGpuRequest(
+            ids_field,
+            list(device_ids),
+            f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
+            f"{caps.max_gpus_per_sandbox} per sandbox",
+        )
+    return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field)
+
+
+def _parse_gpu(requirements: object) -> GpuRequest | None:
+    if requirements is None:
+        return None
+    if not isinstance(requirements, Mapping):
+        raise InvalidGpuRequest(
+            "resource_requirements",
+            requirements,
+            f"resource_requirements must be an object, got {_kind(requirements)}: {requirements!r}",
+        )
+    _reject_unknown_keys("resource_requirements", requirements, {"gpu"}, InvalidGpuRequest)
+    if "gpu" not in requirements or requirements["gpu"] is None:
+        return None
+    gpu = requirements["gpu"]
+    if not isinstance(gpu, Mapping):
+        raise InvalidGpuRequest(
+            "resource_requirements.gpu",
+            gpu,
+            f"resource_requirements.gpu must be an object, got {_kind(gpu)}: {gpu!r}",
+        )
+    _reject_unknown_keys("resource_requirements.gpu", gpu, {"count"}, InvalidGpuRequest)
+    return GpuRequest(gpu.get("count"))
+
+
+def _checked_count(count: Any) -> int:
+    if count is None:
+        return DEFAULT_GPU_COUNT
+    # bool is an int subclass; `true` is not a count.
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidGpuCount(
+            "resource_requirements.gpu.count",
+            count,
+            f"gpu count must be an integer, got {count!r} ({_kind(count)})",
+        )
+    if count <= 0:
+        raise InvalidGpuCount(
+            "resource_requirements.gpu.count",
+            count,
+            f"gpu count must be greater than 0, got {count}",
+        )
+    return count
+
+
+def _parse_driver_config(config: object) -> Mapping[str, Mapping[str, Any]]:
+    if not isinstance(config, Mapping):
+        raise InvalidDriverConfig(
+            "driver_config",
+            config,
+            f"driver_config must be an object, got {_kind(config)}: {config!r}",
+        )
+    for driver, block in config.items():
+        if not isinstance(block, Mapping):
+            raise InvalidDriverConfig(
+                f"driver_config.{driver}",
+                block,
+                f"driver_config.{driver} must be an object, got {_kind(block)}: {block!r}",
+            )
+    return _freeze(config)
+
+
+def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, ...] | None]:
+    """The active block's device IDs and the field name they came from."""
+    prefix = f"driver_config.{driver}"
+    block = spec.driver_config.get(driver)
+    if block is None:
+        others = sorted(
+            name
+            for name, other in spec.driver_config.items()
+            if any(key in other for key in _id_keys(name))
+        )
+        if others:
+            raise InvalidDriverConfig(
+                "driver_config",
+                dict(spec.driver_config),
+                f"driver_config names exact GPUs only for {', '.join(others)}, not for the "
+                f"active driver {driver!r}; add {prefix}.{DEVICE_IDS_KEY} or drop the others",
+            )
+        return f"{prefix}.{DEVICE_IDS_KEY}", None
+
+    keys = _id_keys(driver)
+    _reject_unknown_keys(prefix, block, set(keys), InvalidDriverConfig)
+    present = [key for key in keys if key in block]
+    if len(present) > 1:
+        raise InvalidDriverConfig(
+            prefix,
+            dict(block),
+            f"{prefix} gives both {' and '.join(present)}; they are aliases, use one",
+        )
+    if not present:
+        return f"{prefix}.{DEVICE_IDS_KEY}", None
+    ids_field = f"{prefix}.{present[0]}"
+    value = block[present[0]]
+    if not isinstance(value, list):
+        raise InvalidDriverConfig(
+            ids_field,
+            value,
+            f"{ids_field} must be a list of strings, got {_kind(value)}: {value!r}",
+        )
+    if not value:
+        raise InvalidDriverConfig(ids_field, value, f"{ids_field} must not be empty, got []")
+    for entry in value:
+        if not isinstance(entry, str):
+            raise InvalidDriverConfig(
+                ids_field, entry, f"{ids_field} entries must be strings, got {entry!r}"
+            )
+        if not entry.strip():
+            raise InvalidDriverConfig(
+                ids_field, entry, f"{ids_field} contains a blank device ID {entry!r}"
+            )
+    return ids_field, tuple(value)
+
+
+def _id_keys(driver: str) -> tuple[str, ...]:
+    return (DEVICE_IDS_KEY, *DEVICE_IDS_ALIASES.get(driver, ()))
+
+
+def _reject_unknown_keys(
+    where: str,
+    mapping: Mapping[Any, Any],
+    known: set[str] | frozenset[str],
+    error: type[InvalidGpuRequest],
+) -> None:
+    for key in mapping:
+        if key not in known:
+            raise error(
+                f"{where}.{key}",
+                mapping[key],
+                f"{where} has an unknown key {key!r} (known: {', '.join(sorted(known))})",
+            )
+
+
+def _freeze(config: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
+    return MappingProxyType({str(k): MappingProxyType(dict(v)) for k, v in config.items()})
+
+
+def _kind(value: object) -> str:
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        float: "a number",
+        int: "an integer",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)

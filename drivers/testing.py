@@ -1,0 +1,89 @@
+"""What the conformance and workload tests observe inside a sandbox, and how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drivers.base import Driver, Sandbox
+from drivers.errors import GpuAllocationError
+from drivers.gpus import NVIDIA_MAJOR
+from drivers.spec import SandboxSpec
+
+NVIDIA_SMI_NO_DEVICES = 6
+"""nvidia-smi's exit code when it finds no GPU (NVML_ERROR_NOT_FOUND)."""
+# Minors of NVIDIA's major that are not GPUs: nvidia-modeset and nvidiactl.
+_NVIDIA_CONTROL_MINORS = {254, 255}
+
+
+def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
+    """UUIDs ``nvidia-smi`` lists inside the sandbox, in its order (duplicates kept)."""
+    __tracebackhide__ = True
+    result = sandbox.exec(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
+    if result.returncode == NVIDIA_SMI_NO_DEVICES and "No devices were found" in result.stdout + (
+        result.stderr
+    ):
+        return []
+    result.check()
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class NodeSeen:
+    path: str
+    major: int
+    minor: int
+
+
+def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
+    """Every character device under the sandbox's /dev that is an NVIDIA GPU (195:0-253).
+
+    All of /dev is searched two levels deep (``/dev/dri/*``, ``/dev/nvidia-caps/*``), not
+    only ``/dev/nvidia*``: a node's identity is its number. ``find -type c`` is not used: it
+    trusts the directory entry's type, and a device bind-mounted over a placeholder file (as
+    bubblewrap does) is listed as a regular file.
+    """
+    __tracebackhide__ = True
+    script = 'for f in /dev/* /dev/*/*; do [ -c "$f" ] && stat -c "%n %t %T" "$f"; done; true'
+    result = sandbox.exec(["sh", "-c", script]).check()
+    nodes = []
+    for line in result.stdout.splitlines():
+        path, major, minor = line.rsplit(" ", 2)
+        seen = NodeSeen(path, int(major, 16), int(minor, 16))
+        if seen.major == NVIDIA_MAJOR and seen.minor not in _NVIDIA_CONTROL_MINORS:
+            nodes.append(seen)
+    return nodes
+
+
+def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
+    """Specs that together ask for every GPU of the host, within the per-sandbox maximum."""
+    total = len(driver.inventory())
+    per_sandbox = max(1, min(total, driver.capabilities.max_gpus_per_sandbox))
+    specs = []
+    while total > 0:
+        specs.append(SandboxSpec.with_gpus(min(per_sandbox, total)))
+        total -= per_sandbox
+    return specs
+
+
+def assert_all_gpus_grantable(driver: Driver, after: str) -> None:
+    """Take every GPU of the host, then give them back: proves nothing is still held."""
+    __tracebackhide__ = True
+    taken: list[Sandbox] = []
+    try:
+        for spec in specs_for_all_gpus(driver):
+            try:
+                taken.append(driver.create(spec))
+            except GpuAllocationError as exc:
+                raise AssertionError(f"a GPU is still held {after}: {exc}") from None
+        granted = sorted(gpu.uuid for sandbox in taken for gpu in sandbox.gpus)
+        assert granted == sorted(gpu.uuid for gpu in driver.inventory()), (
+            f"taking every GPU {after} granted {granted}"
+        )
+    finally:
+        for sandbox in taken:
+            sandbox.close()
+
+
+def uuids(sandbox: Sandbox) -> list[str]:
+    """The UUIDs the driver says it gave ``sandbox``."""
+    return [gpu.uuid for gpu in sandbox.gpus]

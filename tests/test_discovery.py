@@ -1,0 +1,672 @@
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from drivers import discovery
+from drivers.discovery import (
+    GPU_PCI_CLASSES,
+    QUERY_FIELDS,
+    DiscoveryError,
+    ListedGpu,
+    PciDevice,
+    SourceNotFound,
+    discover_nvidia,
+    dri_nodes_by_pci,
+    from_nvidia_smi,
+    from_sysfs,
+    gpu_pci_devices,
+    gpus_from_query_csv,
+    parse_dri_by_path_listing,
+    parse_list,
+    parse_lspci_vmm,
+    parse_mib,
+    parse_proc_driver_information,
+    parse_query_csv,
+    pci_gpus,
+)
+from drivers.gpus import NVIDIA_MAJOR, DeviceNode, GpuDevice
+
+DATA = Path(__file__).parent / "data" / "discovery"
+DGX_H100_BUSES = [f"0000:{bus}:00.0" for bus in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]
+MASKED_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
+DRI_MAJOR = 226
+
+
+def read(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+# --- nvidia-smi -L ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capture", "count", "name", "first_uuid"),
+    [
+        (
+            "nvidia-smi-L.multi-8xH100.txt",
+            8,
+            "NVIDIA H100 80GB HBM3",
+            "GPU-c7a0294c-c2c2-5476-438c-fb468eaa223b",
+        ),
+        ("nvidia-smi-L.multi-4xL4.txt", 4, "NVIDIA L4", "GPU-c2507ce8-9002-692b-09ab-a911bef79d62"),
+        (
+            "nvidia-smi-L.multi-8xA100-SXM4-80GB.txt",
+            8,
+            "NVIDIA A100-SXM4-80GB",
+            "GPU-55748b5b-32df-bbd9-d0f6-f50980c12af8",
+        ),
+        ("nvidia-smi-L.single-T4.txt", 1, "Tesla T4", "GPU-6cf00fa7-59ac-16f2-3e83-d24ccdc56f84"),
+        (
+            "nvidia-smi-L.multi-2xQuadroRTX4000.txt",
+            2,
+            "Quadro RTX 4000",
+            "GPU-c7b57be0-94ff-d352-a59b-d0ee00aeed43",
+        ),
+        ("nvidia-smi-L.single-L40S.masked.txt", 1, "NVIDIA L40S", MASKED_GPU_UUID),
+    ],
+)
+def test_parse_list_reads_every_gpu(capture: str, count: int, name: str, first_uuid: str) -> None:
+    gpus = parse_list(read(capture))
+
+    assert [gpu.index for gpu in gpus] == list(range(count))
+    assert {gpu.name for gpu in gpus} == {name}
+    assert gpus[0].uuid == first_uuid
+    assert len({gpu.uuid for gpu in gpus}) == count
+    assert all(gpu.mig_devices == () for gpu in gpus)
+
+
+def test_parse_list_reads_seven_mig_devices_under_one_a100() -> None:
+    (gpu,) = parse_list(read("nvidia-smi-L.mig-A100-7x1g.10gb.txt"))
+
+    assert gpu.uuid == "GPU-7fdaf0a5-179b-f636-d15d-daf243e3ff16"
+    assert [mig.index for mig in gpu.mig_devices] == list(range(7))
+    assert {mig.name for mig in gpu.mig_devices} == {"MIG 1g.10gb"}
+    assert {mig.profile for mig in gpu.mig_devices} == {"1g.10gb"}
+    assert gpu.mig_devices[0].uuid == "MIG-feb88891-0321-5fef-9c87-d4af3b54259e"
+    assert len({mig.uuid for mig in gpu.mig_devices}) == 7
+
+
+def test_parse_list_attaches_mig_devices_to_their_own_gpu() -> None:
+    gpus = parse_list(read("nvidia-smi-L.multi-4xA100-mig.txt"))
+
+    assert [len(gpu.mig_devices) for gpu in gpus] == [4, 0, 0, 0]
+    assert {mig.profile for mig in gpus[0].mig_devices} == {"1g.20gb"}
+    assert gpus[0].mig_devices[3].uuid == "MIG-930574a9-d43a-5d2b-95da-3e68384c8d6b"
+    assert gpus[3].uuid == "GPU-69ec2344-ebac-b028-f88f-452abb3d7f11"
+
+
+def test_parse_list_reads_mixed_mig_profiles_of_the_masked_h100() -> None:
+    (gpu,) = parse_list(read("nvidia-smi-L.mig-h100-4inst.masked.txt"))
+
+    assert (gpu.index, gpu.name, gpu.uuid) == (0, "NVIDIA H100 80GB HBM3", MASKED_GPU_UUID)
+    assert [(mig.index, mig.profile) for mig in gpu.mig_devices] == [
+        (0, "3g.40gb"),
+        (1, "2g.20gb"),
+        (2, "1g.10gb"),
+        (3, "1g.10gb"),
+    ]
+    assert [mig.uuid for mig in gpu.mig_devices] == [
+        f"MIG-0000000{i}-0000-0000-0000-00000000000{i}" for i in range(4)
+    ]
+
+
+def test_parse_list_returns_frozen_records() -> None:
+    (gpu,) = parse_list(read("nvidia-smi-L.single-T4.txt"))
+
+    assert gpu == ListedGpu(0, "Tesla T4", "GPU-6cf00fa7-59ac-16f2-3e83-d24ccdc56f84")
+    with pytest.raises(AttributeError):
+        gpu.index = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Unable to determine the device handle for GPU0000:18:00.0: Unknown Error\n",
+        "  MIG 1g.10gb     Device  0: (UUID: MIG-feb88891-0321-5fef-9c87-d4af3b54259e)\n",
+    ],
+    ids=["error-line", "mig-without-gpu"],
+)
+def test_parse_list_rejects_lines_it_does_not_know(text: str) -> None:
+    with pytest.raises(ValueError, match="unexpected line"):
+        parse_list(text)
+
+
+# --- nvidia-smi --query-gpu ------------------------------------------------------------------
+
+
+def test_parse_query_csv_keys_the_all_fields_h100_capture_by_header_name() -> None:
+    (row,) = parse_query_csv(read("nvidia-smi-query-gpu.csv.single-H100-allfields.masked.txt"))
+
+    assert len(row) == 212
+    assert row["name"] == "NVIDIA H100 80GB HBM3"
+    assert row["uuid"] == MASKED_GPU_UUID
+    assert row["pci.bus_id"] == "00000000:00:09.0"
+    assert row["index"] == "0"
+    assert row["memory.total"] == "81559 MiB"  # the header said "memory.total [MiB]"
+    assert row["hostname"] == "[N/A]"
+
+
+def test_parse_query_csv_reads_the_rtx4080s_capture_with_kmd_version() -> None:
+    (row,) = parse_query_csv(read("nvidia-smi-query-gpu.csv.single-RTX4080S-allfields.masked.txt"))
+
+    assert len(row) == 202
+    assert row["driver_version"] == row["kmd_version"] == "595.71.05"
+    assert row["name"] == "NVIDIA GeForce RTX 4080 SUPER"
+    assert parse_mib(row["memory.total"]) == 16376
+
+
+def test_parse_query_csv_reads_units_in_every_row_of_the_8xa100_capture() -> None:
+    rows = parse_query_csv(read("nvidia-smi-query-gpu.csv.name-memtotal-driver.8xA100.txt"))
+
+    assert len(rows) == 8
+    assert {tuple(row) for row in rows} == {("name", "memory.total", "driver_version")}
+    assert {parse_mib(row["memory.total"]) for row in rows} == {81920}
+    assert {row["driver_version"] for row in rows} == {"570.133.20"}
+
+
+def test_parse_query_csv_reads_nounits_values_and_na() -> None:
+    (row,) = parse_query_csv(read("nvidia-smi-query-gpu.csv-nounits.single-P100.txt"))
+
+    assert row["name"] == "Tesla P100-PCIE-16GB"
+    assert row["uuid"] == "GPU-ef1b2c9b-38d8-2090-2bd1-f567a3eb42a6"
+    assert parse_mib(row["memory.free"]) == 16280
+    assert row["fan.speed"] == "[N/A]"
+    assert row["clocks.current.video"] == "835"  # the file has no final newline
+
+
+def test_parse_query_csv_takes_field_names_for_noheader_output() -> None:
+    text = "0, GPU-1, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559, 3\n"
+
+    assert parse_query_csv(text, QUERY_FIELDS) == [
+        {
+            "index": "0",
+            "uuid": "GPU-1",
+            "name": "NVIDIA H100 80GB HBM3",
+            "pci.bus_id": "00000000:18:00.0",
+            "memory.total": "81559",
+            "minor_number": "3",
+        }
+    ]
+
+
+def test_parse_query_csv_rejects_a_row_of_the_wrong_width() -> None:
+    with pytest.raises(ValueError, match="row 1 has 2 values for 6 fields"):
+        parse_query_csv("0, GPU-1\n", QUERY_FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("value", "mib"),
+    [("81559 MiB", 81559), ("81559", 81559), ("[N/A]", None), ("N/A", None), ("", None)],
+)
+def test_parse_mib(value: str, mib: int | None) -> None:
+    assert parse_mib(value) == mib
+
+
+def test_parse_mib_rejects_other_units() -> None:
+    with pytest.raises(ValueError, match="not a MiB value"):
+        parse_mib("80 GiB")
+
+
+@pytest.mark.parametrize(
+    ("capture", "expected"),
+    [
+        (
+            "nvidia-smi-query-gpu.csv.single-H100-allfields.masked.txt",
+            GpuDevice(0, MASKED_GPU_UUID, "NVIDIA H100 80GB HBM3", "0000:00:09.0", 81559),
+        ),
+        (
+            "nvidia-smi-query-gpu.csv.single-RTX4080S-allfields.masked.txt",
+            GpuDevice(0, MASKED_GPU_UUID, "NVIDIA GeForce RTX 4080 SUPER", "0000:01:00.0", 16376),
+        ),
+    ],
+)
+def test_gpus_from_query_csv_selects_its_fields_from_all_fields_captures(
+    capture: str, expected: GpuDevice
+) -> None:
+    assert gpus_from_query_csv(read(capture)) == (expected,)
+
+
+@pytest.mark.parametrize(
+    ("capture", "missing"),
+    [
+        ("nvidia-smi-query-gpu.csv.name-memtotal-driver.8xA100.txt", "uuid, pci.bus_id"),
+        ("nvidia-smi-query-gpu.csv-nounits.single-P100.txt", "pci.bus_id"),
+    ],
+)
+def test_gpus_from_query_csv_names_the_identity_fields_a_capture_lacks(
+    capture: str, missing: str
+) -> None:
+    with pytest.raises(ValueError, match=f"row 1 has no {missing}$"):
+        gpus_from_query_csv(read(capture))
+
+
+def test_gpus_from_query_csv_reads_noheader_nounits_with_minor_numbers() -> None:
+    text = (
+        "0, GPU-a, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559, 2\n"
+        "1, GPU-b, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 81559, [N/A]\n"
+    )
+
+    first, second = gpus_from_query_csv(text, QUERY_FIELDS, header=False)
+
+    assert first == GpuDevice(
+        0,
+        "GPU-a",
+        "NVIDIA H100 80GB HBM3",
+        "0000:18:00.0",
+        81559,
+        minor=2,
+        nodes=(DeviceNode("/dev/nvidia2", NVIDIA_MAJOR, 2),),
+    )
+    assert (second.pci_bus_id, second.minor, second.nodes) == ("0000:2a:00.0", None, ())
+
+
+# --- from_nvidia_smi with a fake executable --------------------------------------------------
+
+NO_DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+
+
+def fake_nvidia_smi(directory: Path, stdout: str, rc: int = 0, stderr: str = "") -> Path:
+    """Write an executable that records its arguments and prints ``stdout``."""
+    (directory / "stdout").write_text(stdout)
+    (directory / "stderr").write_text(stderr)
+    script = directory / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > "{directory}/argv"\n'
+        f'cat "{directory}/stdout"\n'
+        f'cat "{directory}/stderr" >&2\n'
+        f"exit {rc}\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_from_nvidia_smi_queries_csv_noheader_nounits(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(
+        tmp_path,
+        "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034, 0\n"
+        "1, GPU-b, NVIDIA L4, 00000000:3A:00.0, 23034, 1\n",
+    )
+
+    gpus = from_nvidia_smi(str(smi))
+
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "--query-gpu=index,uuid,name,pci.bus_id,memory.total,minor_number",
+        "--format=csv,noheader,nounits",
+    ]
+    assert [(gpu.uuid, gpu.pci_bus_id, gpu.memory_mib) for gpu in gpus] == [
+        ("GPU-a", "0000:38:00.0", 23034),
+        ("GPU-b", "0000:3a:00.0", 23034),
+    ]
+    assert gpus[1].nodes == (DeviceNode("/dev/nvidia1", NVIDIA_MAJOR, 1),)
+
+
+def test_from_nvidia_smi_returns_nothing_when_no_devices_were_found(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(tmp_path, "No devices were found\n", rc=6)
+
+    assert from_nvidia_smi(str(smi)) == ()
+
+
+def test_from_nvidia_smi_reports_rc_and_message_of_a_failure(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(tmp_path, NO_DRIVER + "\n", rc=9, stderr="a line on stderr\n")
+
+    with pytest.raises(DiscoveryError, match="exited with 9: NVIDIA-SMI has failed") as info:
+        from_nvidia_smi(str(smi))
+    assert "a line on stderr" in str(info.value)
+    assert not isinstance(info.value, SourceNotFound)
+
+
+def test_from_nvidia_smi_rejects_output_that_is_not_the_csv(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(tmp_path, 'Field "minor_number" is not a valid field to query.\n')
+
+    with pytest.raises(DiscoveryError, match="unexpected output"):
+        from_nvidia_smi(str(smi))
+
+
+def test_from_nvidia_smi_reports_a_missing_executable(tmp_path: Path) -> None:
+    with pytest.raises(DiscoveryError, match="not found") as info:
+        from_nvidia_smi(str(tmp_path / "nvidia-smi"))
+    assert isinstance(info.value, SourceNotFound)
+
+
+def test_from_nvidia_smi_stops_a_hung_nvidia_smi(tmp_path: Path) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexec sleep 30\n")
+    smi.chmod(0o755)
+
+    with pytest.raises(DiscoveryError, match=r"ran past its timeout of 0\.2 s"):
+        from_nvidia_smi(str(smi), timeout_s=0.2)
+
+
+# --- PCI: lspci ------------------------------------------------------------------------------
+
+_LSPCI_NN = re.compile(r"^(?P<slot>\S+) (?P<class>.+?) \[(?P<code>[0-9a-f]{4})\]: (?P<rest>.*)$")
+_LSPCI_PLAIN = re.compile(r"^(?P<slot>\S+) (?P<class>[^:]+): (?P<rest>.*)$")
+_CLASS_CODES = {name: code for code, name in GPU_PCI_CLASSES.items()}
+
+
+def devices_from_lspci_lines(text: str) -> list[PciDevice]:
+    """PciDevices with the class only, from ``lspci [-D][-nn]`` one-line output.
+
+    Plain output names the class without its code, so the code comes from the class name.
+    """
+    devices = []
+    for line in text.splitlines():
+        match = _LSPCI_NN.match(line) or _LSPCI_PLAIN.match(line)
+        assert match, line
+        code = match.groupdict().get("code") or _CLASS_CODES.get(match["class"], "")
+        devices.append(PciDevice(match["slot"], code, match["class"], "", "", "", match["rest"]))
+    return devices
+
+
+@pytest.mark.parametrize(
+    ("capture", "gpus", "vga_only"),
+    [
+        ("lspci-Dnn.h100-8gpu-kvm-guest.grep-nvidia.txt", 8, 0),
+        ("lspci-nn.4xH100-SXM5.grep-nvidia.txt", 4, 0),
+        ("lspci-nn.laptop-mx450-3d.grep-nvidia.txt", 1, 0),
+        ("lspci.4xL4-aws-g6.grep-nvidia.txt", 4, 0),
+        ("lspci.MI210+A100-PCIe.grep-nvidia-display.txt", 2, 0),
+        ("lspci-d-03xx.intel-alderlake-display+rtx3080ti-vga.txt", 2, 1),
+    ],
+)
+def test_gpu_class_filter_finds_3d_and_display_controllers(
+    capture: str, gpus: int, vga_only: int
+) -> None:
+    devices = devices_from_lspci_lines(read(capture))
+
+    found = gpu_pci_devices(devices)
+
+    assert len(found) == gpus
+    assert all("NVSwitch" not in device.device_name for device in found)
+    # The seed's filter on "VGA compatible controller" alone misses data-centre GPUs.
+    assert sum(device.class_name == "VGA compatible controller" for device in devices) == vga_only
+
+
+def test_parse_lspci_vmm_reads_this_machines_virtio_devices_and_finds_no_gpu() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.virtio-kvm-no-gpu.txt"))
+
+    assert len(devices) == 6
+    assert devices[0] == PciDevice(
+        "0000:00:00.0", "0600", "Host bridge", "8086", "Intel Corporation", "0d57", "Device"
+    )
+    assert {device.vendor_id for device in devices[1:]} == {"1af4"}
+    assert gpu_pci_devices(devices) == []
+    assert pci_gpus(devices, {}) == ()
+
+
+def test_parse_lspci_vmm_keeps_brackets_inside_names() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.CONSTRUCTED.mi210+a100-pcie.txt"))
+
+    assert devices == [
+        PciDevice(
+            "0000:03:00.0",
+            "0380",
+            "Display controller",
+            "1002",
+            "Advanced Micro Devices, Inc. [AMD/ATI]",
+            "740f",
+            "Aldebaran",
+        ),
+        PciDevice(
+            "0000:81:00.0",
+            "0302",
+            "3D controller",
+            "10de",
+            "NVIDIA Corporation",
+            "20f1",
+            "GA100 [A100 PCIe 40GB]",
+        ),
+    ]
+
+
+def test_pci_gpus_of_a_dgx_h100_numbers_nvidia_gpus_like_nvidia_smi() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.CONSTRUCTED.dgx-h100-8gpu.txt"))
+
+    gpus = pci_gpus(devices, {}, vendor="nvidia")
+
+    assert [gpu.pci_bus_id for gpu in gpus] == DGX_H100_BUSES
+    assert [gpu.index for gpu in gpus] == list(range(8))
+    assert {gpu.name for gpu in gpus} == {"GH100 [H100 SXM5 80GB]"}
+    assert gpus[0].uuid == "PCI-0000:18:00.0"
+    assert all(gpu.nodes == () and gpu.vendor == "nvidia" for gpu in gpus)
+
+
+def test_pci_gpus_of_a_dgx_h100_counts_the_bmc_vga_without_a_vendor_filter() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.CONSTRUCTED.dgx-h100-8gpu.txt"))
+
+    gpus = pci_gpus(devices, {})
+
+    assert len(devices) == 13  # BMC VGA, 4 NVSwitch bridges, 8 GPUs
+    assert [(gpu.index, gpu.vendor, gpu.name) for gpu in gpus[:2]] == [
+        (0, "other", "ASPEED Graphics Family"),
+        (1, "nvidia", "GH100 [H100 SXM5 80GB]"),
+    ]
+    assert len(gpus) == 9
+
+
+def test_pci_gpus_gives_amd_its_dri_nodes_and_nvidia_none() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.CONSTRUCTED.mi210+a100-pcie.txt"))
+    dri = {
+        "0000:03:00.0": (
+            DeviceNode("/dev/dri/card1", DRI_MAJOR, 1),
+            DeviceNode("/dev/dri/renderD128", DRI_MAJOR, 128),
+        ),
+        "0000:81:00.0": (DeviceNode("/dev/dri/card0", DRI_MAJOR, 0),),
+    }
+
+    amd, nvidia = pci_gpus(devices, dri)
+
+    assert (amd.vendor, amd.uuid, amd.nodes) == ("amd", "PCI-0000:03:00.0", dri["0000:03:00.0"])
+    assert (nvidia.vendor, nvidia.index, nvidia.nodes) == ("nvidia", 1, ())
+    assert [gpu.index for gpu in pci_gpus(devices, dri, vendor="nvidia")] == [0]
+
+
+def test_pci_gpus_of_a_desktop_skips_the_gpus_audio_function() -> None:
+    devices = parse_lspci_vmm(read("lspci-Dvmmnn.CONSTRUCTED.intel-alderlake+rtx3080ti.txt"))
+
+    gpus = pci_gpus(devices, {"0000:00:02.0": (DeviceNode("/dev/dri/card1", DRI_MAJOR, 1),)})
+
+    assert [(gpu.vendor, gpu.name) for gpu in gpus] == [
+        ("intel", "AlderLake-S GT1"),
+        ("nvidia", "GA102 [GeForce RTX 3080 Ti]"),
+    ]
+    assert gpus[0].nodes == (DeviceNode("/dev/dri/card1", DRI_MAJOR, 1),)
+    assert len(devices) == 3
+
+
+def test_parse_lspci_vmm_asks_for_numeric_codes() -> None:
+    with pytest.raises(ValueError, match="run lspci with -nn"):
+        parse_lspci_vmm("Slot:\t0000:00:00.0\nClass:\tHost bridge\nVendor:\tIntel\nDevice:\tX\n")
+
+
+# --- PCI: sysfs ------------------------------------------------------------------------------
+
+
+def make_sysfs_device(
+    root: Path, slot: str, pci_class: str, vendor: str, device: str, driver: str = ""
+) -> None:
+    path = root / slot
+    path.mkdir(parents=True)
+    (path / "class").write_text(f"{pci_class}\n")
+    (path / "vendor").write_text(f"{vendor}\n")
+    (path / "device").write_text(f"{device}\n")
+    if driver:
+        (path / "driver").symlink_to(f"../../../bus/pci/drivers/{driver}")
+
+
+def test_from_sysfs_reads_class_vendor_device_and_driver(tmp_path: Path) -> None:
+    make_sysfs_device(tmp_path, "0000:81:00.0", "0x030200", "0x10de", "0x20f1", "vfio-pci")
+    make_sysfs_device(tmp_path, "0000:05:00.0", "0x068000", "0x10de", "0x22a3")
+    make_sysfs_device(tmp_path, "0000:03:00.0", "0x038000", "0x1002", "0x740f", "amdgpu")
+
+    devices = from_sysfs(tmp_path)
+
+    assert devices == [
+        PciDevice("0000:03:00.0", "0380", "Display controller", "1002", "", "740f", "", "amdgpu"),
+        PciDevice("0000:05:00.0", "0680", "", "10de", "", "22a3", ""),
+        PciDevice("0000:81:00.0", "0302", "3D controller", "10de", "", "20f1", "", "vfio-pci"),
+    ]
+    assert [gpu.name for gpu in pci_gpus(devices, {})] == ["1002:740f", "10de:20f1"]
+
+
+def test_from_sysfs_without_a_pci_bus_finds_nothing(tmp_path: Path) -> None:
+    assert from_sysfs(tmp_path / "absent") == []
+
+
+# --- /dev/dri ----------------------------------------------------------------------------------
+
+
+def test_parse_dri_by_path_listing_maps_bus_ids_to_crossed_nodes() -> None:
+    links = parse_dri_by_path_listing(read("ls-l-dev-dri-by-path.intel-igpu+amd-radeon.txt"))
+
+    assert links == {
+        "0000:00:02.0": {"card": "card1", "render": "renderD129"},
+        "0000:12:00.0": {"card": "card0", "render": "renderD128"},
+    }
+
+
+def test_parse_dri_by_path_listing_ignores_a_plain_dev_dri_listing() -> None:
+    # `ls -lathn /dev/dri` shows the nodes and the by-path directory, but no links.
+    assert parse_dri_by_path_listing(read("ls-lathn-dev-dri.nvidia+intel.cachyos.txt")) == {}
+
+
+def make_node(path: Path, minor: int) -> bool:
+    """A DRI character device, or a plain file where mknod is not allowed; True for a device."""
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(DRI_MAJOR, minor))
+    except PermissionError:
+        path.touch()
+        return False
+    return True
+
+
+def test_dri_nodes_by_pci_resolves_the_recorded_by_path_layout(tmp_path: Path) -> None:
+    links = parse_dri_by_path_listing(read("ls-l-dev-dri-by-path.intel-igpu+amd-radeon.txt"))
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    devices = [
+        make_node(dri / name, int(name.removeprefix("card").removeprefix("renderD")))
+        for name in ("card0", "card1", "renderD128", "renderD129")
+    ]
+    for bus, nodes in links.items():
+        for kind, name in nodes.items():
+            (dri / "by-path" / f"pci-{bus}-{kind}").symlink_to(f"../{name}")
+    (dri / "by-path" / "platform-simple-framebuffer.0-card").symlink_to("../card0")
+
+    found = dri_nodes_by_pci(dri / "by-path")
+
+    assert {bus: [node.path for node in nodes] for bus, nodes in found.items()} == {
+        "0000:00:02.0": [str(dri / "card1"), str(dri / "renderD129")],
+        "0000:12:00.0": [str(dri / "card0"), str(dri / "renderD128")],
+    }
+    if not all(devices):
+        pytest.skip("mknod is not allowed here: major and minor numbers not checked")
+    assert [(node.major, node.minor) for node in found["0000:00:02.0"]] == [
+        (DRI_MAJOR, 1),
+        (DRI_MAJOR, 129),
+    ]
+
+
+def test_dri_nodes_by_pci_without_dri_finds_nothing(tmp_path: Path) -> None:
+    assert dri_nodes_by_pci(tmp_path / "absent") == {}
+
+
+# --- /proc/driver/nvidia ---------------------------------------------------------------------
+
+
+def test_parse_proc_driver_information_of_an_l4() -> None:
+    info = parse_proc_driver_information(read("proc-driver-nvidia-gpus-information.L4.txt"))
+
+    assert info["Model"] == "NVIDIA L4"
+    assert info["GPU UUID"] == "GPU-3291dfa4-fcc4-0110-615b-c894a0d7c689"
+    assert info["Bus Location"] == "0000:70:00.0"
+    assert info["Device Minor"] == "0"
+    assert info["DMA Mask"] == "0x7fffffffffff"
+    assert info["GPU Excluded"] == "No"
+
+
+# --- discover_nvidia ---------------------------------------------------------------------------
+
+
+def test_discover_nvidia_finds_nothing_on_a_host_without_the_driver() -> None:
+    found = [
+        p for p in ("/proc/driver/nvidia", shutil.which("nvidia-smi")) if p and Path(p).exists()
+    ]
+    if found:
+        pytest.skip(f"needs a host without the NVIDIA driver (found {', '.join(found)})")
+    assert discover_nvidia() == ()
+
+
+def nvml_fails(error: DiscoveryError) -> object:
+    def from_nvml() -> tuple[GpuDevice, ...]:
+        raise error
+
+    return from_nvml
+
+
+def test_discover_nvidia_prefers_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = GpuDevice(0, "GPU-a", "NVIDIA L4", "0000:38:00.0")
+    monkeypatch.setattr(discovery, "from_nvml", lambda: (gpu,))
+
+    assert discover_nvidia(nvidia_smi=str(tmp_path / "nvidia-smi")) == (gpu,)
+
+
+def test_discover_nvidia_falls_back_to_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(discovery, "from_nvml", nvml_fails(SourceNotFound("NVML: no library")))
+    smi = fake_nvidia_smi(tmp_path, "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034, 0\n")
+
+    (gpu,) = discover_nvidia(nvidia_smi=str(smi))
+
+    assert gpu.uuid == "GPU-a"
+
+
+DRIVER_NOT_LOADED = DiscoveryError("NVML: nvmlInit failed: Driver Not Loaded")
+
+
+@pytest.mark.parametrize("kernel_driver", ["", "nouveau"], ids=["unbound", "nouveau"])
+def test_discover_nvidia_raises_when_failing_sources_hide_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_driver: str
+) -> None:
+    monkeypatch.setattr(discovery, "from_nvml", nvml_fails(DRIVER_NOT_LOADED))
+    smi = fake_nvidia_smi(tmp_path, NO_DRIVER + "\n", rc=9)
+    sysfs = tmp_path / "sysfs"
+    make_sysfs_device(sysfs, "0000:18:00.0", "0x030200", "0x10de", "0x2330", kernel_driver)
+    make_sysfs_device(sysfs, "0000:19:00.0", "0x068000", "0x10de", "0x22a3")
+
+    with pytest.raises(DiscoveryError, match=r"GPUs at 0000:18:00\.0 are not passed") as info:
+        discover_nvidia(nvidia_smi=str(smi), sysfs_root=sysfs)
+    assert "Driver Not Loaded" in str(info.value)
+    assert "exited with 9" in str(info.value)
+
+
+def test_discover_nvidia_accepts_failing_sources_when_gpus_are_passed_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(discovery, "from_nvml", nvml_fails(DRIVER_NOT_LOADED))
+    smi = fake_nvidia_smi(tmp_path, NO_DRIVER + "\n", rc=9)
+    sysfs = tmp_path / "sysfs"
+    make_sysfs_device(sysfs, "0000:18:00.0", "0x030200", "0x10de", "0x2330", "vfio-pci")
+
+    assert discover_nvidia(nvidia_smi=str(smi), sysfs_root=sysfs) == ()
+
+
+def test_discover_nvidia_ignores_failing_sources_without_nvidia_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(discovery, "from_nvml", nvml_fails(DRIVER_NOT_LOADED))
+    sysfs = tmp_path / "sysfs"
+    make_sysfs_device(sysfs, "0000:00:02.0", "0x030000", "0x8086", "0x4680", "i915")
+
+    assert discover_nvidia(nvidia_smi=str(tmp_path / "nvidia-smi"), sysfs_root=sysfs) == ()

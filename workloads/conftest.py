@@ -1,0 +1,1 @@
+"""Workload tests (CuPy, PyTorch) arrive with the workloads lane; the root plugin applies."""
