@@ -34,6 +34,7 @@ class Settings:
     host_config: HostConfig
     session_id: str
     image: str | None
+    reclaim_timeout_s: float
 
 
 settings_key = pytest.StashKey[Settings]()
@@ -61,6 +62,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Keep the host-wide GPU lease registry here (default: /run/gpu-sandbox).",
     )
     group.addoption("--image", default=None, help="Container image for the engine drivers.")
+    group.addoption(
+        "--reclaim-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="How long a killed sandbox's GPUs may take to come back (default: 30; container "
+        "engines can take seconds to report a killed container as gone).",
+    )
     group.addoption(
         "--reap",
         metavar="SESSION",
@@ -96,6 +105,7 @@ def _settings(config: pytest.Config) -> Settings:
         host_config=HostConfig(config.getoption("--sim-root"), config.getoption("--gpu-state-dir")),
         session_id=os.environ.get("GPU_SANDBOX_SESSION_ID") or uuid.uuid4().hex[:16],
         image=config.getoption("--image"),
+        reclaim_timeout_s=config.getoption("--reclaim-timeout"),
     )
 
 
@@ -189,13 +199,22 @@ def host_gpus(driver: Driver) -> tuple[str, ...]:
 
 
 @pytest.fixture(autouse=True)
-def _enough_gpus(request: pytest.FixtureRequest) -> None:
-    marker = request.node.get_closest_marker("gpus")
-    if marker is None or "driver" not in request.fixturenames:
+def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Skip when the host has too few GPUs; reap whatever the test left behind.
+
+    Reaping after each test keeps one broken test from failing every test after it, so
+    each failure points at the requirement that was broken.
+    """
+    if "driver" not in request.fixturenames:
+        yield
         return
-    have = len(request.getfixturevalue("driver").inventory())
-    if have < marker.args[0]:
+    driver: Driver = request.getfixturevalue("driver")
+    marker = request.node.get_closest_marker("gpus")
+    have = len(driver.inventory())
+    if marker is not None and have < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
+    yield
+    driver.reap(driver.session_id)
 
 
 class SandboxFactory:
@@ -246,8 +265,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _REPORTS.append(
         {
             "nodeid": report.nodeid,
-            "requirement": props["requirement"],
-            "driver": props["driver"],
+            "requirement": str(props["requirement"]),
+            "driver": str(props["driver"]),
             "outcome": outcome,
             "message": _message(report),
         }

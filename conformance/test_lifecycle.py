@@ -14,9 +14,6 @@ from drivers.spec import SandboxSpec
 from drivers.testing import assert_all_gpus_grantable, specs_for_all_gpus, uuids
 from drivers.wait import wait_until
 
-RECLAIM_TIMEOUT_S = 30.0
-"""A container engine may take seconds to report a killed container as gone."""
-
 
 @pytest.mark.requirement("GPU-RELEASE-01")
 def test_close_releases_and_is_idempotent(driver: Driver, sandboxes: SandboxFactory) -> None:
@@ -42,14 +39,16 @@ def _biggest_request(driver: Driver) -> SandboxSpec:
 
 
 @pytest.mark.requirement("GPU-RECLAIM-01")
-def test_killed_sandbox_gpus_are_reclaimed(driver: Driver, sandboxes: SandboxFactory) -> None:
+def test_killed_sandbox_gpus_are_reclaimed(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
     """The GPUs of a sandbox whose processes were SIGKILLed MUST go to the next request."""
     spec = _biggest_request(driver)
     victim = sandboxes(spec)
     victim.kill()
     successor = wait_until(
         lambda: sandboxes(spec),
-        timeout_s=RECLAIM_TIMEOUT_S,
+        timeout_s=settings.reclaim_timeout_s,
         what=f"re-taking the GPUs of killed sandbox {victim.id}",
         retry_on=(GpusExhausted,),
     )
@@ -70,7 +69,7 @@ def test_gpus_of_a_dead_creator_are_reclaimed(
         creator.kill()
     successor = wait_until(
         lambda: sandboxes(spec),
-        timeout_s=RECLAIM_TIMEOUT_S,
+        timeout_s=settings.reclaim_timeout_s,
         what="re-taking the GPUs of a sandbox whose creator was killed",
         retry_on=(GpusExhausted,),
     )

@@ -190,9 +190,7 @@ class LeaseRegistry:
                 leases = [lease for lease in stored if _alive(lease.holder)]
                 yield leases
                 if leases != stored:
-                    data = json.dumps(
-                        {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
-                    ).encode()
+                    data = self._encode(leases)
                     os.pwrite(fd, data, 0)
                     os.ftruncate(fd, len(data))
             finally:
@@ -205,6 +203,11 @@ class LeaseRegistry:
             self._file_fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._owner_pid = os.getpid()
         return self._file_fd
+
+    @staticmethod
+    def _encode(leases: list[Lease]) -> bytes:
+        payload = {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
+        return json.dumps(payload).encode()
 
     @staticmethod
     def _load(fd: int) -> list[Lease]:

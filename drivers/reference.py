@@ -25,18 +25,20 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
 from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from drivers.gpus import GpuDevice
 from drivers.ownership import Holder, LeaseOwner
 from drivers.simgpu import SANDBOX_SHARE
-from drivers.spec import DriverCapabilities, SandboxSpec
+from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from drivers.wait import wait_until
 
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
 CLOSE_TIMEOUT_S = 5.0
+REAP_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -66,6 +68,10 @@ def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
 
 class ReferenceDriver(Driver):
     name = "reference"
+    # The sandbox's init announces itself, then waits on stdin: the sandbox ends when
+    # close() shuts the pipe or when the creating process dies and the pipe breaks.
+    init_argv: ClassVar[tuple[str, ...]] = ("sh", "-c", "echo ready; exec cat")
+    close_timeout_s: ClassVar[float] = CLOSE_TIMEOUT_S
 
     @property
     def capabilities(self) -> DriverCapabilities:
@@ -113,16 +119,25 @@ class ReferenceDriver(Driver):
     def create(self, spec: SandboxSpec) -> ReferenceSandbox:
         plan = self.validate(spec)
         sandbox_id = uuid.uuid4().hex[:12]
-        gpus: tuple[GpuDevice, ...] = ()
-        if plan is not None:
-            exact = self.resolve(plan) if plan.device_ids else ()
-            owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
-            gpus = self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
+        gpus = () if plan is None else self.allocate(sandbox_id, plan)
         try:
             return ReferenceSandbox(self, sandbox_id, gpus, spec.env)
         except BaseException:
-            self.host.leases.release(sandbox_id)
+            self.release(sandbox_id)
             raise
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        """Lease the plan's GPUs from the host registry, held by this process until started."""
+        exact = self.resolve(plan) if plan.device_ids else ()
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
+
+    def holder(self, sandbox_pid: int) -> Holder:
+        """What keeps a started sandbox's leases alive: its bwrap process."""
+        return Holder.process(sandbox_pid)
+
+    def release(self, sandbox_id: str) -> None:
+        self.host.leases.release(sandbox_id)
 
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
@@ -132,6 +147,15 @@ class ReferenceDriver(Driver):
         for _, pid in found:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+        def all_gone() -> None:
+            if _bwrap_processes(session_id):
+                raise ProcessLookupError(f"sandboxes of session {session_id} still running")
+
+        # SIGKILL is delivered asynchronously: wait until the processes are really gone.
+        wait_until(
+            all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
+        )
         released = self.host.leases.release_session(session_id)
         return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
 
@@ -187,7 +211,7 @@ class ReferenceSandbox(Sandbox):
         self._closed = False
         self._close_lock = threading.Lock()
         self._process, self._child_pid = self._start(driver.bwrap_argv(sandbox_id, gpus))
-        driver.host.leases.set_holder(sandbox_id, Holder.process(self._process.pid))
+        driver.host.leases.set_holder(sandbox_id, driver.holder(self._process.pid))
 
     @property
     def pid(self) -> int:
@@ -196,10 +220,8 @@ class ReferenceSandbox(Sandbox):
 
     def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int]:
         info_read, info_write = os.pipe()
-        # The init announces itself, then waits on stdin: the sandbox ends when we close it
-        # or when this process dies and the pipe breaks.
         process = _spawn(
-            [*argv, "--info-fd", str(info_write), "sh", "-c", "echo ready; exec cat"],
+            [*argv, "--info-fd", str(info_write), *self._driver.init_argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -257,7 +279,7 @@ class ReferenceSandbox(Sandbox):
             assert self._process.stdin is not None
             self._process.stdin.close()
             try:
-                self._process.wait(CLOSE_TIMEOUT_S)
+                self._process.wait(self._driver.close_timeout_s)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
@@ -265,7 +287,7 @@ class ReferenceSandbox(Sandbox):
                 if stream is not None:
                     stream.close()
         finally:
-            self._driver.host.leases.release(self.id)
+            self._driver.release(self.id)
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)

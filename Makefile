@@ -1,0 +1,66 @@
+# The two commands of the README do all the set-up on a fresh Debian/Ubuntu machine:
+#   make conformance   run the catalogue against every driver that can run here
+#   make test          the suite's own tests (lint, types, self-tests)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SIM_ROOT ?= /run/gpu-sandbox-sim
+SIM_GPUS ?= 8
+REPORTS := reports
+PYTEST_ARGS ?=
+
+.PHONY: conformance test lint bench venv host-packages simulated-host clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+# bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
+# the simulated nvidia-smi under busybox as a container image would.
+host-packages:
+	@missing=""; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	[ -x /bin/busybox ] || missing="$$missing busybox-static"; \
+	command -v nsenter >/dev/null || missing="$$missing util-linux"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing from Debian"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "missing host packages:$$missing; install them with: sudo apt-get install$$missing" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+
+# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made.
+simulated-host: venv
+	@if nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "real NVIDIA GPUs found: no simulated host"; \
+	else \
+	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS); \
+	fi
+
+conformance: venv host-packages simulated-host
+	@mkdir -p $(REPORTS)
+	@sim=""; nvidia-smi -L >/dev/null 2>&1 || sim="--sim-root=$(SIM_ROOT)"; \
+	$(BIN)/pytest conformance workloads $$sim --conformance-json=$(REPORTS)/conformance.json \
+	  --junitxml=$(REPORTS)/conformance.xml $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: venv host-packages lint
+	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: venv host-packages
+	$(BIN)/python -m bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) $(REPORTS) *.egg-info

@@ -1,0 +1,159 @@
+"""``python -m bench`` (``make bench``): the reference lane's speed, side by side.
+
+1. Sandbox lifecycle: the reference driver's create + exec ``nvidia-smi -L`` + close, against
+   a bare ``bwrap <the same mounts> true``, interleaved run by run so that both see the same
+   machine load. Target: at most 3x.
+2. The full reference lane (``pytest conformance --driver=reference``): wall time. Target:
+   at most 20 s on 2 cores.
+3. The lease registry: grant + release per second with 8 processes contending, and double
+   grants (a GPU held by two processes at once). Target: at least 2,000/s and zero.
+
+Runs on a simulated GPU host of its own (a temporary directory) unless --sim-root is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from drivers import simgpu
+from drivers.errors import GpusExhausted
+from drivers.host import GpuHost, HostConfig
+from drivers.ownership import Holder, LeaseOwner, LeaseRegistry
+from drivers.reference import ReferenceDriver
+from drivers.spec import SandboxSpec
+
+ROOT = Path(__file__).parent.parent
+
+
+def _timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def bench_lifecycle(host: GpuHost, iterations: int) -> tuple[float, float]:
+    driver = ReferenceDriver(host, f"bench-{uuid.uuid4().hex[:8]}")
+    bare_argv = [*driver.bwrap_argv("bench", host.gpus[:1]), "true"]
+    env = driver.sandbox_env({})
+
+    def lifecycle() -> None:
+        with driver.create(SandboxSpec.with_gpus()) as sandbox:
+            sandbox.exec(["nvidia-smi", "-L"]).check()
+
+    def bare() -> None:
+        subprocess.run(bare_argv, check=True, env=env)
+
+    for _ in range(5):  # warm the page cache and the spawner thread
+        lifecycle()
+        bare()
+    ours, theirs = [], []
+    for _ in range(iterations):
+        ours.append(_timed(lifecycle))
+        theirs.append(_timed(bare))
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def bench_lane(sim_root: Path, runs: int) -> list[float]:
+    argv = [
+        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
+        "--driver=reference", f"--sim-root={sim_root}",
+    ]  # fmt: skip
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+        times.append(time.perf_counter() - start)
+        if done.returncode != 0:
+            sys.exit(f"the reference lane failed:\n{done.stdout[-3000:]}")
+    return times
+
+
+def _contend(directory: str, gpus: int, seconds: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    host = simgpu.load(Path(directory))
+    registry = LeaseRegistry(host.lease_dir)
+    holder = Holder.process(os.getpid())
+    intervals: list[tuple[str, int, int]] = []
+    exhausted = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sandbox_id = uuid.uuid4().hex
+        owner = LeaseOwner("bench", sandbox_id, "bench", holder)
+        try:
+            (gpu,) = registry.acquire(host.gpus[:gpus], owner, count=1)
+        except GpusExhausted:
+            exhausted += 1
+            continue
+        held_from = time.monotonic_ns()
+        held_until = time.monotonic_ns()
+        registry.release(sandbox_id)
+        intervals.append((gpu.uuid, held_from, held_until))
+    out.put((intervals, exhausted))
+
+
+def bench_registry(sim_root: Path, processes: int, seconds: float) -> tuple[float, int, int]:
+    queue: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    workers = [
+        multiprocessing.Process(target=_contend, args=(str(sim_root), 8, seconds, queue))
+        for _ in range(processes)
+    ]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    results = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - start
+    intervals = sorted(i for batch, _ in results for i in batch)
+    double = sum(1 for a, b in itertools.pairwise(intervals) if a[0] == b[0] and b[1] <= a[2])
+    return len(intervals) / elapsed, double, sum(exhausted for _, exhausted in results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--iterations", type=int, default=100, help="lifecycles to time")
+    parser.add_argument("--lane-runs", type=int, default=3, help="full reference lane runs")
+    parser.add_argument("--registry-seconds", type=float, default=3.0)
+    parser.add_argument("--processes", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        sim = simgpu.setup(Path(tmp) / "sim", 8)
+        host = GpuHost.open(HostConfig(sim_root=sim.root))
+        print(f"host: {host.describe()}; {os.cpu_count()} CPUs")
+
+        ours, bare = bench_lifecycle(host, args.iterations)
+        print(f"\n1. sandbox lifecycle, median of {args.iterations} (interleaved)")
+        print(f"   reference create + exec nvidia-smi -L + close  {ours * 1000:8.2f} ms")
+        print(f"   bare bwrap <same mounts> true                  {bare * 1000:8.2f} ms")
+        print(f"   ratio {ours / bare:.2f}x  (target <= 3x)")
+
+        lane = bench_lane(sim.root, args.lane_runs)
+        print(f"\n2. full reference lane (pytest conformance --driver=reference), {len(lane)} runs")
+        runs = ", ".join(f"{t:.2f}" for t in lane)
+        print(f"   median {statistics.median(lane):.2f} s  runs {runs}  (target <= 20 s)")
+
+        rate, double, exhausted = bench_registry(sim.root, args.processes, args.registry_seconds)
+        print(
+            f"\n3. lease registry, {args.processes} processes contending for 8 GPUs, "
+            f"{args.registry_seconds:g} s"
+        )
+        print(
+            f"   {rate:,.0f} grant+release/s  double grants: {double}  exhausted: {exhausted}"
+            "  (target >= 2,000/s, 0 double grants)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Planted broken drivers: the reference driver with one defect each.
+
+Each class names, in ``BREAKS``, the requirement its defect must make the catalogue fail.
+``tests/test_planted.py`` runs the catalogue against every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult
+from drivers.errors import (
+    DuplicateGpuDevice,
+    GpusExhausted,
+    InvalidDriverConfig,
+    InvalidGpuCount,
+)
+from drivers.gpus import GpuDevice
+from drivers.host import GpuHost
+from drivers.ownership import Holder, Lease, LeaseOwner, LeaseRegistry, _alive
+from drivers.reference import ReferenceDriver, ReferenceSandbox
+from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
+
+
+class BrokenDriver(ReferenceDriver):
+    BREAKS: ClassVar[str]
+
+
+class GpuWithoutRequest(BrokenDriver):
+    """A sandbox with no GPU request still gets a GPU."""
+
+    BREAKS = "GPU-NONE-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        return super().validate(spec) or GpuPlan(count=1)
+
+
+class AllGpusOnDefault(BrokenDriver):
+    """The default request injects every GPU (the old `nvidia.com/gpu=all` default)."""
+
+    BREAKS = "GPU-DEFAULT-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().validate(spec)
+        if plan is not None and spec.gpu is not None and spec.gpu.count is None:
+            return GpuPlan(count=len(self.inventory()))
+        return plan
+
+
+class RoundRobin(BrokenDriver):
+    """Defaults go round-robin with no record of which GPU is in use."""
+
+    BREAKS = "GPU-DEFAULT-02"
+    _counter = itertools.count()
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.device_ids:
+            return super().allocate(sandbox_id, plan)
+        inventory = self.inventory()
+        return tuple(inventory[next(self._counter) % len(inventory)] for _ in range(plan.count))
+
+
+class CountIgnored(BrokenDriver):
+    """Every request gets one GPU, whatever the count."""
+
+    BREAKS = "GPU-COUNT-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().validate(spec)
+        return plan if plan is None or plan.device_ids else GpuPlan(count=1)
+
+
+class WrongDeviceForExactId(BrokenDriver):
+    """An exact ID gets the GPU after the one it names."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        inventory = self.inventory()
+        return tuple(inventory[(gpu.index + 1) % len(inventory)] for gpu in super().resolve(plan))
+
+
+class EnvironmentOnlyIsolation(BrokenDriver):
+    """Every GPU node is mounted; CUDA_VISIBLE_DEVICES alone "selects" the assigned ones."""
+
+    BREAKS = "GPU-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, self.inventory() if gpus else gpus)
+        visible = ",".join(str(gpu.index) for gpu in gpus)
+        return [*argv, "--setenv", "CUDA_VISIBLE_DEVICES", visible]
+
+
+class LaxDriverConfig(BrokenDriver):
+    """A malformed driver_config is ignored instead of rejected."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        try:
+            return super().validate(spec)
+        except InvalidDriverConfig:
+            return super().validate(dataclasses.replace(spec, driver_config={}))
+
+
+class LaxCount(BrokenDriver):
+    """A count that is not a positive integer is taken as the default request."""
+
+    BREAKS = "GPU-VALIDATE-02"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        try:
+            return super().validate(spec)
+        except InvalidGpuCount:
+            return GpuPlan(count=1)
+
+
+class LeakOnInvalidRequest(BrokenDriver):
+    """A GPU is leased before the request is validated, and kept when validation fails."""
+
+    BREAKS = "GPU-VALIDATE-02"
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        early = f"early-{uuid.uuid4().hex}"
+        owner = LeaseOwner(self.name, early, self.session_id, Holder.process(os.getpid()))
+        with contextlib.suppress(GpusExhausted):
+            self.host.leases.acquire(self.inventory(), owner, count=1)
+        self.validate(spec)
+        self.host.leases.release(early)
+        return super().create(spec)
+
+
+class DuplicatesAccepted(BrokenDriver):
+    """Duplicate device IDs are silently merged."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        try:
+            return super().validate(spec)
+        except DuplicateGpuDevice as exc:
+            ids = list(dict.fromkeys(exc.value if isinstance(exc.value, list) else []))
+            return GpuPlan(count=max(1, len(ids)), device_ids=tuple(ids), field=exc.field)
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().resolve(plan)
+        except DuplicateGpuDevice:
+            return super().resolve(dataclasses.replace(plan, device_ids=plan.device_ids[:1]))
+
+
+class ShortChangesOnExhaustion(BrokenDriver):
+    """When too few GPUs are free, the request silently gets the ones that are."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().allocate(sandbox_id, plan)
+        except GpusExhausted as exc:
+            if exc.available == 0:
+                raise
+            return super().allocate(sandbox_id, dataclasses.replace(plan, count=exc.available))
+
+
+class ClampsOversizedCount(BrokenDriver):
+    """A count above the number of GPUs is clamped to all of them instead of refused."""
+
+    BREAKS = "GPU-EXHAUST-02"
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, max_gpus_per_sandbox=10**9)
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().validate(spec)
+        if plan is not None and plan.count > len(self.inventory()):
+            return dataclasses.replace(plan, count=len(self.inventory()))
+        return plan
+
+
+class SharesBusyGpu(BrokenDriver):
+    """Exact IDs bypass the lease registry, so a held GPU is handed out again."""
+
+    BREAKS = "GPU-BUSY-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return self.resolve(plan) if plan.device_ids else super().allocate(sandbox_id, plan)
+
+
+class _UnlockedRegistry(LeaseRegistry):
+    """Read-modify-write with no lock at all, and a pause that widens the race."""
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[list[Lease]]:
+        fd = self._fd()
+        stored = self._load(fd)
+        leases = [lease for lease in stored if _alive(lease.holder)]
+        time.sleep(0.005)
+        yield leases
+        if leases != stored:
+            data = self._encode(leases)
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+
+    _locked = _unlocked
+
+
+class _ThreadLockedRegistry(_UnlockedRegistry):
+    """A lock that excludes threads but not processes."""
+
+    _lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _thread_locked(self) -> Iterator[list[Lease]]:
+        with self._lock, self._unlocked() as leases:
+            yield leases
+
+    _locked = _thread_locked
+
+
+class NoLocking(BrokenDriver):
+    """The lease registry takes no lock: concurrent threads double-grant."""
+
+    BREAKS = "GPU-CONCURRENT-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        host = dataclasses.replace(host, leases=_UnlockedRegistry(host.leases.directory))
+        super().__init__(host, session_id, image)
+
+
+class ThreadsOnlyLock(BrokenDriver):
+    """The lease registry locks threads but not processes."""
+
+    BREAKS = "GPU-CONCURRENT-02"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        host = dataclasses.replace(host, leases=_ThreadLockedRegistry(host.leases.directory))
+        super().__init__(host, session_id, image)
+
+
+class LeakOnClose(BrokenDriver):
+    """close() stops the sandbox but keeps its lease, held by the creating process."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    def holder(self, sandbox_pid: int) -> Holder:
+        return Holder.process(os.getpid())
+
+    def release(self, sandbox_id: str) -> None:
+        pass
+
+
+class NoReclaimOnKill(BrokenDriver):
+    """Leases name a holder nobody can check, so a dead sandbox keeps its GPUs forever."""
+
+    BREAKS = "GPU-RECLAIM-01"
+
+    def holder(self, sandbox_pid: int) -> Holder:
+        return Holder("sandbox", str(sandbox_pid))
+
+
+class OutlivesItsCreator(BrokenDriver):
+    """Sandboxes neither die with their creator nor notice it is gone: orphans keep GPUs."""
+
+    BREAKS = "GPU-RECLAIM-02"
+    init_argv = ("sh", "-c", "echo ready; exec sleep infinity")
+    close_timeout_s = 0.0
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        return [arg for arg in super().bwrap_argv(sandbox_id, gpus) if arg != "--die-with-parent"]
+
+
+class ReapDoesNothing(BrokenDriver):
+    """reap() removes nothing."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        return []
+
+
+class _LyingSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        result = super().exec(argv, timeout)
+        return dataclasses.replace(result, returncode=0)
+
+
+class ExecHidesExitCode(BrokenDriver):
+    """exec() reports success whatever the command returned."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        sandbox = super().create(spec)
+        sandbox.__class__ = _LyingSandbox
+        return sandbox
+
+
+ALL: tuple[type[BrokenDriver], ...] = tuple(
+    cls
+    for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, BrokenDriver) and cls is not BrokenDriver
+)

@@ -1,0 +1,20 @@
+"""Fixtures for the suite's own tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from drivers import simgpu
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture
+def sim_host(tmp_path: Path) -> Iterator[simgpu.SimulatedHost]:
+    """A fresh 8-GPU simulated host of this test's own."""
+    host = simgpu.setup(tmp_path / "sim", 8)
+    yield host
+    simgpu.teardown(host.root)

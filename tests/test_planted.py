@@ -1,0 +1,77 @@
+"""The suite must bite: the catalogue fails every planted broken driver where it breaks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from drivers import simgpu
+from tests.broken_drivers import ALL, BrokenDriver
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_catalogue(pytester: pytest.Pytester, tmp_path: Path, driver: str) -> dict[str, Any]:
+    """Run the whole conformance catalogue against ``driver`` on a fresh simulated host."""
+    host = simgpu.setup(tmp_path / "sim", 8)
+    report = tmp_path / "conformance.json"
+    pytester.runpytest_subprocess(
+        str(ROOT / "conformance"),
+        f"--rootdir={ROOT}",
+        "-c",
+        str(ROOT / "pytest.ini"),
+        "-p",
+        "no:cacheprovider",
+        f"--driver={driver}",
+        f"--sim-root={host.root}",
+        "--reclaim-timeout=2",
+        f"--conformance-json={report}",
+        timeout=300,
+    )
+    assert report.exists(), "the catalogue run wrote no report"
+    result: dict[str, Any] = json.loads(report.read_text())
+    return result
+
+
+def test_every_requirement_has_a_planted_breaker() -> None:
+    required = {
+        r["id"]
+        for r in yaml.safe_load((ROOT / "conformance/REQUIREMENTS.yaml").read_text())[
+            "requirements"
+        ]
+    }
+    broken = {cls.BREAKS for cls in ALL}
+    assert required - broken == set(), "requirements no planted driver breaks"
+
+
+@pytest.mark.parametrize("broken", ALL, ids=[cls.__name__ for cls in ALL])
+def test_catalogue_fails_the_broken_driver(
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
+) -> None:
+    name = f"tests.broken_drivers:{broken.__name__}"
+    result = run_catalogue(pytester, tmp_path, name)
+    outcomes = {req: cells.get(name) for req, cells in result["matrix"].items()}
+    assert outcomes.get(broken.BREAKS) == "failed", (
+        f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}, "
+        f"but the catalogue says {outcomes.get(broken.BREAKS)}: {outcomes}"
+    )
+
+
+def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    result = run_catalogue(pytester, tmp_path, "reference")
+    assert result["simulated"] is True
+    not_passed = {
+        req: cells for req, cells in result["matrix"].items() if cells.get("reference") != "passed"
+    }
+    assert not_passed == {}
+    required = {
+        r["id"]
+        for r in yaml.safe_load((ROOT / "conformance/REQUIREMENTS.yaml").read_text())[
+            "requirements"
+        ]
+    }
+    assert set(result["matrix"]) == required

@@ -1,0 +1,67 @@
+"""The golden list and the catalogue must agree, requirement for requirement."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import yaml
+
+from drivers import REGISTRY
+
+ROOT = Path(__file__).parent.parent
+CATALOGUE = ROOT / "conformance"
+KNOWN_DRIVERS = {"reference", "docker", "podman", "kubernetes", "vm"}
+
+
+def golden() -> list[dict[str, object]]:
+    entries: list[dict[str, object]] = yaml.safe_load(
+        (CATALOGUE / "REQUIREMENTS.yaml").read_text()
+    )["requirements"]
+    return entries
+
+
+def catalogue_tests() -> dict[str, list[str]]:
+    """Each conformance test's requirement ids (from its decorators) and its docstring."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(CATALOGUE.glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+                continue
+            ids = [
+                d.args[0].value
+                for d in node.decorator_list
+                if isinstance(d, ast.Call)
+                and ast.unparse(d.func) == "pytest.mark.requirement"
+                and isinstance(d.args[0], ast.Constant)
+            ]
+            found[f"{path.name}::{node.name}"] = [str(i) for i in ids] + [
+                ast.get_docstring(node) or ""
+            ]
+    return found
+
+
+def test_golden_list_is_well_formed() -> None:
+    entries = golden()
+    ids = [entry["id"] for entry in entries]
+    assert len(ids) == len(set(ids)), "duplicate requirement ids"
+    for entry in entries:
+        assert set(entry) == {"id", "statement", "drivers"}, entry
+        assert " MUST " in f" {entry['statement']} ", f"{entry['id']} states no MUST"
+        assert isinstance(entry["drivers"], list)
+        assert set(entry["drivers"]) <= KNOWN_DRIVERS, entry
+        assert set(REGISTRY) <= KNOWN_DRIVERS
+
+
+def test_every_conformance_test_has_one_requirement_and_a_must_docstring() -> None:
+    for test, (*ids, docstring) in catalogue_tests().items():
+        assert len(ids) == 1, f"{test} must carry exactly one requirement marker, has {ids}"
+        assert "MUST" in docstring, f"{test} needs a MUST docstring"
+        assert "\n" not in docstring.strip(), f"{test}: the docstring must be one line"
+
+
+def test_golden_list_matches_the_catalogue() -> None:
+    in_tests = {ids[0] for *ids, _ in catalogue_tests().values() if ids}
+    in_golden = {str(entry["id"]) for entry in golden()}
+    assert in_golden - in_tests == set(), "golden requirements with no test"
+    assert in_tests - in_golden == set(), "tests of requirements missing from the golden list"
