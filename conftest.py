@@ -9,11 +9,11 @@ a release gate must never go green by skipping.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -38,6 +38,7 @@ class Settings:
 
 
 settings_key = pytest.StashKey[Settings]()
+_SESSION_KEY = "gpu_sandbox_session"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -86,10 +87,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    settings = _settings(config)
-    # xdist workers must share the controller's session id, so that reap finds their work.
-    os.environ["GPU_SANDBOX_SESSION_ID"] = settings.session_id
-    config.stash[settings_key] = settings
+    config.stash[settings_key] = _settings(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Give xdist workers the controller's session id, so that reap finds their sandboxes."""
+    node.workerinput[_SESSION_KEY] = node.config.stash[settings_key].session_id
 
 
 def _settings(config: pytest.Config) -> Settings:
@@ -103,7 +107,7 @@ def _settings(config: pytest.Config) -> Settings:
         drivers=drivers,
         explicit=bool(names),
         host_config=HostConfig(config.getoption("--sim-root"), config.getoption("--gpu-state-dir")),
-        session_id=os.environ.get("GPU_SANDBOX_SESSION_ID") or uuid.uuid4().hex[:16],
+        session_id=getattr(config, "workerinput", {}).get(_SESSION_KEY) or uuid.uuid4().hex[:16],
         image=config.getoption("--image"),
         reclaim_timeout_s=config.getoption("--reclaim-timeout"),
     )

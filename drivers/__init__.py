@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
@@ -31,11 +32,15 @@ def get_driver_class(name: str) -> type[Driver]:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UnknownDriver(f"driver {name!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # a driver module may fail to import in any way at all
+        raise UnknownDriver(
+            f"driver {name!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Driver)):
         raise UnknownDriver(
             f"driver {name!r}: {module_name}.{class_name} is not a drivers.base.Driver subclass"
         )
+    if inspect.isabstract(cls):
+        raise UnknownDriver(f"driver {name!r}: {module_name}.{class_name} is abstract")
     return cls

@@ -16,6 +16,7 @@ Validation runs in two steps, both before anything is allocated:
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -258,22 +259,7 @@ def _parse_driver_config(config: object) -> Mapping[str, Mapping[str, Any]]:
 def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, ...] | None]:
     """The active block's device IDs and the field name they came from."""
     prefix = f"driver_config.{driver}"
-    block = spec.driver_config.get(driver)
-    if block is None:
-        others = sorted(
-            name
-            for name, other in spec.driver_config.items()
-            if any(key in other for key in _id_keys(name))
-        )
-        if others:
-            raise InvalidDriverConfig(
-                "driver_config",
-                dict(spec.driver_config),
-                f"driver_config names exact GPUs only for {', '.join(others)}, not for the "
-                f"active driver {driver!r}; add {prefix}.{DEVICE_IDS_KEY} or drop the others",
-            )
-        return f"{prefix}.{DEVICE_IDS_KEY}", None
-
+    block = spec.driver_config.get(driver, {})
     keys = _id_keys(driver)
     _reject_unknown_keys(prefix, block, set(keys), InvalidDriverConfig)
     present = [key for key in keys if key in block]
@@ -284,6 +270,18 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
             f"{prefix} gives both {' and '.join(present)}; they are aliases, use one",
         )
     if not present:
+        others = sorted(
+            name
+            for name, other in spec.driver_config.items()
+            if name != driver and any(key in other for key in _id_keys(name))
+        )
+        if others:
+            raise InvalidDriverConfig(
+                "driver_config",
+                {name: dict(block) for name, block in spec.driver_config.items()},
+                f"driver_config names exact GPUs only for {', '.join(others)}, not for the "
+                f"active driver {driver!r}; add {prefix}.{DEVICE_IDS_KEY} or drop the others",
+            )
         return f"{prefix}.{DEVICE_IDS_KEY}", None
     ids_field = f"{prefix}.{present[0]}"
     value = block[present[0]]
@@ -327,7 +325,10 @@ def _reject_unknown_keys(
 
 
 def _freeze(config: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
-    return MappingProxyType({str(k): MappingProxyType(dict(v)) for k, v in config.items()})
+    # Deep-copied: a list the caller mutates after parsing must not change the spec.
+    return MappingProxyType(
+        {str(k): MappingProxyType(copy.deepcopy(dict(v))) for k, v in config.items()}
+    )
 
 
 def _kind(value: object) -> str:

@@ -36,6 +36,7 @@ from drivers.gpus import (
     DeviceNode,
     GpuDevice,
     normalize_pci_bus_id,
+    sorted_by_pci,
 )
 
 DEFAULT_ROOT = Path("/run/gpu-sandbox-sim")
@@ -104,10 +105,7 @@ def setup(root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT) -> SimulatedHos
 
     rows = []
     for minor in range(count):
-        bus = DGX_BUSES[minor] if minor < len(DGX_BUSES) else f"{0xE0 + minor - len(DGX_BUSES):02x}"
-        rows.append(
-            (minor, f"GPU-{uuid.uuid4()}", MODEL, f"00000000:{bus.upper()}:00.0", MEMORY_MIB)
-        )
+        rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, _bus_id(minor), MEMORY_MIB))
         _mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
     for name, major, minor in _CONTROL_NODES:
         _mknod(dev / name, major, minor)
@@ -155,8 +153,7 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
                 ),
             )
         )
-    gpus.sort(key=lambda gpu: gpu.pci_bus_id)
-    return SimulatedHost(root=root, gpus=tuple(gpus))
+    return SimulatedHost(root=root, gpus=sorted_by_pci(gpus))
 
 
 def teardown(root: Path = DEFAULT_ROOT) -> None:
@@ -211,6 +208,14 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
             ],
         },
     }
+
+
+def _bus_id(minor: int) -> str:
+    """The DGX H100's bus ids, then made-up ones: 32 per PCI domain from bus e0."""
+    if minor < len(DGX_BUSES):
+        return f"00000000:{DGX_BUSES[minor].upper()}:00.0"
+    extra = minor - len(DGX_BUSES)
+    return f"{extra // 32:08X}:{0xE0 + extra % 32:02X}:00.0"
 
 
 def _mknod(path: Path, major: int, minor: int) -> None:

@@ -1,0 +1,449 @@
+"""The host-wide lease registry: selection, exact grants, release, reclaim, concurrency."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from drivers.errors import GpuBusy, GpusExhausted
+from drivers.gpus import GpuDevice
+from drivers.ownership import (
+    EXCLUSIVE,
+    LIVENESS_CHECKS,
+    Holder,
+    Lease,
+    LeaseOwner,
+    LeaseRegistry,
+)
+
+ME = Holder.process(os.getpid())
+
+
+def _gpu(index: int) -> GpuDevice:
+    return GpuDevice(
+        index=index,
+        uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000",
+        name="Test GPU",
+        pci_bus_id=f"0000:{0x18 + index:02x}:00.0",
+        memory_mib=1024,
+        minor=index,
+    )
+
+
+INVENTORY = tuple(_gpu(i) for i in range(4))
+
+
+def owner(sandbox_id: str, session_id: str = "session-1", holder: Holder = ME) -> LeaseOwner:
+    return LeaseOwner(driver="test", sandbox_id=sandbox_id, session_id=session_id, holder=holder)
+
+
+def uuids(gpus: tuple[GpuDevice, ...] | list[GpuDevice]) -> list[str]:
+    return [gpu.uuid for gpu in gpus]
+
+
+def held(registry: LeaseRegistry) -> dict[str, str]:
+    """GPU UUID -> the sandbox holding it."""
+    return {lease.gpu_uuid: lease.sandbox_id for lease in registry.leases()}
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> LeaseRegistry:
+    return LeaseRegistry(tmp_path / "leases")
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A child process to stand for a sandbox; killed and reaped at the end in any case."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _state(pid: int) -> str:
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return raw[raw.rindex(")") + 2 :].split()[0]
+
+
+# -- selection and grants -----------------------------------------------------------------
+
+
+def test_lowest_free_first_in_the_given_order(registry: LeaseRegistry) -> None:
+    assert registry.acquire(INVENTORY, owner("a"), count=1) == INVENTORY[:1]
+    assert registry.acquire(INVENTORY, owner("b"), count=2) == INVENTORY[1:3]
+    assert registry.release("a") == 1
+    # The lowest free one again, not the next never-used one.
+    assert registry.acquire(INVENTORY, owner("c"), count=2) == (INVENTORY[0], INVENTORY[3])
+    assert held(registry) == {
+        INVENTORY[0].uuid: "c",
+        INVENTORY[1].uuid: "b",
+        INVENTORY[2].uuid: "b",
+        INVENTORY[3].uuid: "c",
+    }
+
+
+def test_selection_follows_the_inventory_order_given(registry: LeaseRegistry) -> None:
+    reordered = (INVENTORY[2], INVENTORY[0], INVENTORY[3], INVENTORY[1])
+    assert registry.acquire(reordered, owner("a"), count=3) == reordered[:3]
+
+
+def test_lease_records_the_owner(registry: LeaseRegistry) -> None:
+    before = time.time()
+    registry.acquire(INVENTORY, owner("a", "s1"), count=2)
+    leases = registry.leases()
+    assert [lease.gpu_uuid for lease in leases] == uuids(INVENTORY[:2])
+    for lease in leases:
+        assert (lease.driver, lease.sandbox_id, lease.session_id) == ("test", "a", "s1")
+        assert lease.holder == ME
+        assert lease.mode == EXCLUSIVE
+        assert before <= lease.acquired_at <= time.time()
+        assert "sandbox a of the test driver" in lease.describe()
+
+
+def test_count_zero_grants_nothing(registry: LeaseRegistry) -> None:
+    assert registry.acquire(INVENTORY, owner("a"), count=0) == ()
+    assert registry.leases() == []
+
+
+def test_exact_grant(registry: LeaseRegistry) -> None:
+    exact = (INVENTORY[3], INVENTORY[1])
+    assert registry.acquire(INVENTORY, owner("a"), exact=exact) == exact
+    assert held(registry) == {INVENTORY[3].uuid: "a", INVENTORY[1].uuid: "a"}
+    # A count request then gets the lowest GPUs that are still free.
+    assert registry.acquire(INVENTORY, owner("b"), count=2) == (INVENTORY[0], INVENTORY[2])
+
+
+def test_busy_gpu_names_its_holder_and_takes_nothing(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("holder-sandbox"), exact=[INVENTORY[2]])
+    with pytest.raises(GpuBusy) as raised:
+        registry.acquire(INVENTORY, owner("b"), exact=[INVENTORY[1], INVENTORY[2]])
+    error = raised.value
+    assert error.device == INVENTORY[2].describe()
+    assert "sandbox holder-sandbox of the test driver" in error.holder
+    assert str(ME) in error.holder
+    assert INVENTORY[2].uuid in str(error)
+    assert "holder-sandbox" in str(error)
+    # Nothing of the refused request is held, not even the free GPU it named first.
+    assert held(registry) == {INVENTORY[2].uuid: "holder-sandbox"}
+
+
+def test_exhausted_reports_requested_available_total(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("a"), count=1)
+    with pytest.raises(GpusExhausted) as raised:
+        registry.acquire(INVENTORY, owner("b"), count=4)
+    assert (raised.value.requested, raised.value.available, raised.value.total) == (4, 3, 4)
+    assert "requested 4 GPUs" in str(raised.value)
+    assert "only 3 selectable of 4 devices" in str(raised.value)
+    assert held(registry) == {INVENTORY[0].uuid: "a"}
+    assert registry.free(INVENTORY) == INVENTORY[1:]
+
+
+def test_more_than_exist_is_exhausted(registry: LeaseRegistry) -> None:
+    with pytest.raises(GpusExhausted) as raised:
+        registry.acquire(INVENTORY, owner("a"), count=5)
+    assert (raised.value.requested, raised.value.available, raised.value.total) == (5, 4, 4)
+    assert registry.leases() == []
+
+
+# -- release ------------------------------------------------------------------------------
+
+
+def test_release_is_idempotent_and_leaves_others_alone(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("a"), count=2)
+    registry.acquire(INVENTORY, owner("b"), count=1)
+    assert registry.release("a") == 2
+    assert registry.release("a") == 0
+    assert registry.release("never-existed") == 0
+    assert held(registry) == {INVENTORY[2].uuid: "b"}
+    assert registry.free(INVENTORY) == (INVENTORY[0], INVENTORY[1], INVENTORY[3])
+
+
+def test_release_session(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("a", "s1"), count=1)
+    registry.acquire(INVENTORY, owner("b", "s2"), count=1)
+    registry.acquire(INVENTORY, owner("c", "s1"), count=2)
+    gone = registry.release_session("s1")
+    assert sorted(lease.sandbox_id for lease in gone) == ["a", "c", "c"]
+    assert all(isinstance(lease, Lease) and lease.session_id == "s1" for lease in gone)
+    assert held(registry) == {INVENTORY[1].uuid: "b"}
+    assert registry.release_session("s1") == []
+
+
+def test_set_holder_moves_only_that_sandboxs_leases(
+    registry: LeaseRegistry, sleeper: subprocess.Popen[bytes]
+) -> None:
+    registry.acquire(INVENTORY, owner("a"), count=2)
+    registry.acquire(INVENTORY, owner("b"), count=1)
+    sandbox = Holder.process(sleeper.pid)
+    registry.set_holder("a", sandbox)
+    holders = {lease.gpu_uuid: lease.holder for lease in registry.leases()}
+    assert holders == {
+        INVENTORY[0].uuid: sandbox,
+        INVENTORY[1].uuid: sandbox,
+        INVENTORY[2].uuid: ME,
+    }
+    # The leases now live and die with the new holder.
+    sleeper.kill()
+    sleeper.wait()
+    assert held(registry) == {INVENTORY[2].uuid: "b"}
+
+
+def test_state_is_shared_between_registry_instances(tmp_path: Path) -> None:
+    first = LeaseRegistry(tmp_path / "state")
+    second = LeaseRegistry(tmp_path / "state")
+    first.acquire(INVENTORY, owner("a"), count=3)
+    assert second.acquire(INVENTORY, owner("b"), count=1) == INVENTORY[3:]
+    with pytest.raises(GpusExhausted):
+        first.acquire(INVENTORY, owner("c"), count=1)
+    assert second.release("a") == 3
+    assert held(first) == {INVENTORY[3].uuid: "b"}
+
+
+def test_directory_is_created_on_first_use(tmp_path: Path) -> None:
+    registry = LeaseRegistry(tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists()
+    assert registry.leases() == []
+    registry.acquire(INVENTORY, owner("x"), count=1)
+    stored = json.loads((tmp_path / "a" / "b" / "leases.json").read_text())
+    assert stored["version"] == 1
+    assert [item["gpu_uuid"] for item in stored["leases"]] == [INVENTORY[0].uuid]
+
+
+# -- reclaim ------------------------------------------------------------------------------
+
+
+def test_dead_holder_is_reclaimed(
+    registry: LeaseRegistry, sleeper: subprocess.Popen[bytes]
+) -> None:
+    registry.acquire(INVENTORY, owner("crashed", holder=Holder.process(sleeper.pid)), count=4)
+    with pytest.raises(GpusExhausted):
+        registry.acquire(INVENTORY, owner("b"), count=1)
+    sleeper.kill()
+    sleeper.wait()
+    assert registry.acquire(INVENTORY, owner("b"), count=1) == INVENTORY[:1]
+    assert held(registry) == {INVENTORY[0].uuid: "b"}
+
+
+def test_zombie_holder_counts_as_dead(
+    registry: LeaseRegistry, sleeper: subprocess.Popen[bytes]
+) -> None:
+    registry.acquire(INVENTORY, owner("crashed", holder=Holder.process(sleeper.pid)), count=4)
+    os.kill(sleeper.pid, signal.SIGKILL)  # not reaped: it stays a zombie
+    deadline = time.monotonic() + 5
+    while _state(sleeper.pid) != "Z":
+        assert time.monotonic() < deadline, "the killed child never became a zombie"
+        time.sleep(0.001)
+    assert registry.acquire(INVENTORY, owner("b"), count=4) == INVENTORY
+    assert _state(sleeper.pid) == "Z"  # the registry did not need it reaped
+
+
+def test_reused_pid_counts_as_dead(registry: LeaseRegistry) -> None:
+    real = Holder.process(os.getpid())
+    boot_id, pid, start = real.ref.split(":")
+    assert pid == str(os.getpid())
+    impostor = Holder("process", f"{boot_id}:{pid}:{int(start) + 1}")
+    registry.acquire(INVENTORY, owner("old", holder=impostor), count=2)
+    assert registry.leases() == []
+    assert registry.acquire(INVENTORY, owner("b"), count=4) == INVENTORY
+
+
+def test_holder_from_another_boot_counts_as_dead(registry: LeaseRegistry) -> None:
+    _, pid, start = ME.ref.split(":")
+    other_boot = Holder("process", f"00000000-0000-0000-0000-000000000000:{pid}:{start}")
+    registry.acquire(INVENTORY, owner("old", holder=other_boot), count=1)
+    assert registry.leases() == []
+
+
+def test_live_holder_is_not_reclaimed(
+    registry: LeaseRegistry, sleeper: subprocess.Popen[bytes]
+) -> None:
+    holder = Holder.process(sleeper.pid)
+    assert str(holder).startswith(f"process {ME.ref.split(':')[0]}:{sleeper.pid}:")
+    registry.acquire(INVENTORY, owner("alive", holder=holder), count=4)
+    with pytest.raises(GpusExhausted):
+        registry.acquire(INVENTORY, owner("b"), count=1)
+    assert len(registry.leases()) == 4
+
+
+def test_unknown_holder_kind_is_treated_as_alive(registry: LeaseRegistry) -> None:
+    container = Holder("container", "no-such-container-anywhere")
+    assert "container" not in LIVENESS_CHECKS
+    registry.acquire(INVENTORY, owner("c", holder=container), count=4)
+    with pytest.raises(GpusExhausted) as raised:
+        registry.acquire(INVENTORY, owner("b"), count=1)
+    assert raised.value.available == 0
+    assert {lease.holder for lease in registry.leases()} == {container}
+
+
+def test_a_registered_liveness_check_is_used(
+    registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = {"c-2"}
+    monkeypatch.setitem(LIVENESS_CHECKS, "container", lambda holder: holder.ref not in gone)
+    registry.acquire(INVENTORY, owner("a", holder=Holder("container", "c-1")), count=1)
+    registry.acquire(INVENTORY, owner("b", holder=Holder("container", "c-2")), count=1)
+    assert held(registry) == {INVENTORY[0].uuid: "a"}
+    assert registry.acquire(INVENTORY, owner("c"), count=1) == INVENTORY[1:2]
+
+
+# -- the file -----------------------------------------------------------------------------
+
+
+def test_stale_bytes_after_valid_json_are_ignored(registry: LeaseRegistry) -> None:
+    """A writer killed between pwrite and ftruncate leaves valid JSON, then stale bytes."""
+    registry.acquire(INVENTORY, owner("a"), count=1)
+    registry.acquire(INVENTORY, owner("b"), count=3)
+    path = registry.directory / "leases.json"
+    long = path.read_bytes()
+    stored = json.loads(long)
+    short = json.dumps({"version": 1, "leases": stored["leases"][:1]}).encode()
+    assert len(short) < len(long)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, short, 0)  # ... and the writer dies before its ftruncate
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == short + long[len(short) :]
+
+    assert held(registry) == {INVENTORY[0].uuid: "a"}
+    assert LeaseRegistry(registry.directory).free(INVENTORY) == INVENTORY[1:]
+    # The next write leaves a clean file again.
+    registry.acquire(INVENTORY, owner("c"), count=1)
+    assert [item["sandbox_id"] for item in json.loads(path.read_bytes())["leases"]] == ["a", "c"]
+
+
+def test_empty_file_is_no_leases(registry: LeaseRegistry) -> None:
+    registry.directory.mkdir(parents=True)
+    (registry.directory / "leases.json").write_bytes(b"")
+    assert registry.leases() == []
+    assert registry.acquire(INVENTORY, owner("a"), count=4) == INVENTORY
+
+
+def test_reclaim_is_written_back(registry: LeaseRegistry, sleeper: subprocess.Popen[bytes]) -> None:
+    registry.acquire(INVENTORY, owner("crashed", holder=Holder.process(sleeper.pid)), count=2)
+    sleeper.kill()
+    sleeper.wait()
+    assert registry.leases() == []
+    path = registry.directory / "leases.json"
+    assert json.loads(path.read_bytes()) == {"version": 1, "leases": []}
+
+
+# -- concurrency --------------------------------------------------------------------------
+
+GRANTS_PER_WORKER = 30
+WORKERS = 8
+
+
+def _log(log_dir: Path, gpu: GpuDevice, line: str) -> None:
+    fd = os.open(log_dir / gpu.uuid, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _grant_loop(registry: LeaseRegistry, log_dir: Path, worker: int) -> None:
+    """Take one GPU at a time, log start/end around holding it, and give it back."""
+    pid = os.getpid()
+    holder = Holder.process(pid)
+    tag = f"{pid}/{worker}"
+    granted = 0
+    attempt = 0
+    while granted < GRANTS_PER_WORKER:
+        attempt += 1
+        sandbox = f"w{worker}-{attempt}"
+        try:
+            (gpu,) = registry.acquire(INVENTORY, owner(sandbox, holder=holder), count=1)
+        except GpusExhausted:
+            time.sleep(0.0005)
+            continue
+        _log(log_dir, gpu, f"{tag} start\n")
+        time.sleep(0.0002)
+        _log(log_dir, gpu, f"{tag} end\n")
+        assert registry.release(sandbox) == 1
+        granted += 1
+
+
+def _process_worker(registry: LeaseRegistry, log_dir: Path, worker: int) -> None:
+    try:
+        _grant_loop(registry, log_dir, worker)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _assert_never_shared(log_dir: Path) -> int:
+    """Every GPU's log alternates start/end of one holder at a time; returns the grants."""
+    grants = 0
+    for path in sorted(log_dir.iterdir()):
+        holding: str | None = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            who, event = line.split()
+            if event == "start":
+                assert holding is None, (
+                    f"{path.name} line {number}: {who} got it while {holding} held it"
+                )
+                holding = who
+                grants += 1
+            else:
+                assert holding == who, f"{path.name} line {number}: {who} ended {holding}'s hold"
+                holding = None
+        assert holding is None, f"{path.name}: {holding} never gave it back"
+    return grants
+
+
+def test_processes_never_share_a_gpu(tmp_path: Path) -> None:
+    registry = LeaseRegistry(tmp_path / "state")
+    assert registry.leases() == []  # the parent has the file open before forking
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_process_worker, args=(registry, log_dir, n)) for n in range(WORKERS)
+    ]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(timeout=60)
+    assert [process.exitcode for process in workers] == [0] * WORKERS
+    assert _assert_never_shared(log_dir) == WORKERS * GRANTS_PER_WORKER
+    assert registry.leases() == []
+
+
+def test_threads_sharing_one_registry_never_share_a_gpu(tmp_path: Path) -> None:
+    registry = LeaseRegistry(tmp_path / "state")
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(WORKERS)
+
+    def run(worker: int) -> None:
+        try:
+            barrier.wait()
+            _grant_loop(registry, log_dir, worker)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(WORKERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert _assert_never_shared(log_dir) == WORKERS * GRANTS_PER_WORKER
+    assert registry.leases() == []

@@ -1,0 +1,664 @@
+"""The simulated GPU host: its files and device nodes, its CDI spec, its nvidia-smi, its CLI.
+
+The nvidia-smi stand-in is run in a bubblewrap sandbox whose ``/dev`` holds only the nodes
+a test binds there, as a driver would give them; it must report exactly those GPUs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drivers.gpus import CDI_KIND, NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
+from drivers.simgpu import (
+    DGX_BUSES,
+    MEMORY_MIB,
+    MODEL,
+    SANDBOX_SHARE,
+    UVM_MAJOR,
+    SimulatedHost,
+    SimulatedHostError,
+    load,
+    setup,
+    teardown,
+)
+from drivers.simgpu.__main__ import main
+
+BWRAP = shutil.which("bwrap")
+BUSYBOX = Path("/bin/busybox")
+SMI = f"{SANDBOX_SHARE}/bin/nvidia-smi"
+NO_DEVICES = 6
+BAD_ARGUMENTS = 2
+QUERY = "--query-gpu=index,uuid,name,pci.bus_id,memory.total"
+
+Bind = tuple[str, str]
+"""A node bound into the sandbox: (host source, path inside)."""
+
+
+def make_host(root: Path, count: int) -> SimulatedHost:
+    """``setup``, or skip where this process may not create device nodes."""
+    try:
+        return setup(root, count)
+    except SimulatedHostError as exc:
+        if "CAP_MKNOD" in str(exc):
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedHost]:
+    """Four simulated GPUs, shared by the tests that only read them."""
+    root = tmp_path_factory.mktemp("simhost") / "root"
+    sim = make_host(root, 4)
+    yield sim
+    teardown(root)
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> None:
+    """Skip unless bubblewrap can start a sandbox here."""
+    if BWRAP is None:
+        pytest.skip("needs bwrap (apt-get install bubblewrap)")
+    trial = subprocess.run(
+        [BWRAP, "--ro-bind", "/", "/", "--dev", "/dev", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if trial.returncode != 0:
+        pytest.skip(f"bwrap cannot start a sandbox here: {trial.stderr.strip()}")
+
+
+def own(host: SimulatedHost, *minors: int) -> list[Bind]:
+    """The GPUs' own nodes, bound at their own names."""
+    return [(str(host.root / "dev" / f"nvidia{m}"), f"/dev/nvidia{m}") for m in minors]
+
+
+def by_minor(host: SimulatedHost, minor: int) -> GpuDevice:
+    return next(gpu for gpu in host.gpus if gpu.minor == minor)
+
+
+def smi_bus(gpu: GpuDevice) -> str:
+    """The PCI bus id as nvidia-smi prints it: an 8-digit domain, upper case."""
+    return f"0000{gpu.pci_bus_id.upper()}"
+
+
+def smi(
+    host: SimulatedHost,
+    *args: str,
+    nodes: Sequence[Bind] = (),
+    env: Mapping[str, str] | None = None,
+    binds: Sequence[Bind] = (),
+    command: Sequence[str] = (SMI,),
+) -> subprocess.CompletedProcess[str]:
+    """Run the stand-in in a sandbox holding ``nodes`` under /dev, and nothing else of /dev.
+
+    /tmp and /run are private, so neither the simulated root (under /tmp here) nor any
+    other simulated host is visible inside; only its share/ is, at /run/gpu-sim.
+    """
+    assert BWRAP is not None
+    argv = [BWRAP, "--ro-bind", "/", "/", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    argv += ["--ro-bind", str(host.share_dir), SANDBOX_SHARE]
+    for source, target in nodes:
+        argv += ["--dev-bind", source, target]
+    for source, target in binds:
+        argv += ["--ro-bind", source, target]
+    for key, value in (env or {}).items():
+        argv += ["--setenv", key, value]
+    argv += [*command, *args]
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"},
+    )
+
+
+def listing(*gpus: GpuDevice) -> str:
+    """``nvidia-smi -L`` for these GPUs, numbered from 0 in the order given."""
+    return "".join(f"GPU {i}: {gpu.name} (UUID: {gpu.uuid})\n" for i, gpu in enumerate(gpus))
+
+
+# -- setup, load, teardown ----------------------------------------------------------------
+
+
+def test_device_nodes_have_nvidias_numbers(host: SimulatedHost) -> None:
+    for minor in range(4):
+        st = os.stat(host.root / "dev" / f"nvidia{minor}")
+        assert stat.S_ISCHR(st.st_mode)
+        assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (NVIDIA_MAJOR, minor)
+        assert stat.S_IMODE(st.st_mode) == 0o666
+    expected = {
+        "nvidiactl": (NVIDIA_MAJOR, NVIDIACTL_MINOR),
+        "nvidia-uvm": (UVM_MAJOR, 0),
+        "nvidia-uvm-tools": (UVM_MAJOR, 1),
+    }
+    for name, numbers in expected.items():
+        st = os.stat(host.root / "dev" / name)
+        assert stat.S_ISCHR(st.st_mode)
+        assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == numbers
+    assert (NVIDIA_MAJOR, NVIDIACTL_MINOR) == (195, 255)
+    assert sorted(path.name for path in (host.root / "dev").iterdir()) == sorted(
+        [*(f"nvidia{m}" for m in range(4)), *expected]
+    )
+    assert host.control_nodes == tuple(
+        DeviceNode(f"/dev/{name}", major, minor, str(host.root / "dev" / name))
+        for name, (major, minor) in expected.items()
+    )
+
+
+@pytest.mark.skipif(
+    Path("/proc/driver/nvidia").exists(), reason="an NVIDIA driver is loaded: 195:N opens"
+)
+def test_opening_a_node_fails_as_with_no_driver(host: SimulatedHost) -> None:
+    with pytest.raises(OSError, match="No such device or address") as raised:
+        os.open(host.root / "dev" / "nvidia0", os.O_RDWR)
+    assert raised.value.errno == errno.ENXIO
+
+
+def test_inventory(host: SimulatedHost) -> None:
+    gpus = host.gpus
+    assert [gpu.index for gpu in gpus] == [0, 1, 2, 3]
+    assert [gpu.minor for gpu in gpus] == [0, 1, 2, 3]
+    assert [gpu.pci_bus_id for gpu in gpus] == [f"0000:{bus}:00.0" for bus in DGX_BUSES[:4]]
+    assert [gpu.pci_bus_id for gpu in gpus] == sorted(gpu.pci_bus_id for gpu in gpus)
+    assert len({gpu.uuid for gpu in gpus}) == 4
+    for gpu in gpus:
+        assert gpu.uuid.startswith("GPU-")
+        assert (gpu.name, gpu.memory_mib, gpu.vendor) == (MODEL, MEMORY_MIB, "nvidia")
+        assert gpu.minor is not None
+        node = f"nvidia{gpu.minor}"
+        assert gpu.nodes == (
+            DeviceNode(f"/dev/{node}", NVIDIA_MAJOR, gpu.minor, str(host.root / "dev" / node)),
+        )
+    assert load(host.root) == host
+
+
+def test_shared_files(host: SimulatedHost) -> None:
+    assert host.share_dir == host.root / "share"
+    for path in (host.nvidia_smi, host.nvidia_smi.with_name("nvidia-smi.awk")):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    rows = [
+        line.split("\t")
+        for line in (host.share_dir / "inventory.tsv").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    assert rows == [
+        [str(gpu.minor), gpu.uuid, gpu.name, smi_bus(gpu), str(MEMORY_MIB)] for gpu in host.gpus
+    ]
+    assert host.lease_dir.is_dir()
+
+
+def _shuffled_host(root: Path) -> tuple[SimulatedHost, SimulatedHost]:
+    """A host as set up, and as loaded again after its inventory rows were reordered."""
+    sim = make_host(root, 4)
+    inventory = sim.share_dir / "inventory.tsv"
+    header, *rows = inventory.read_text().splitlines(keepends=True)
+    inventory.write_text(header + "".join(rows[i] for i in (2, 0, 3, 1)))
+    return sim, load(root)
+
+
+def test_load_orders_the_inventory_by_pci(tmp_path: Path) -> None:
+    sim, reloaded = _shuffled_host(tmp_path / "root")
+    assert [gpu.pci_bus_id for gpu in reloaded.gpus] == [gpu.pci_bus_id for gpu in sim.gpus]
+    assert [(gpu.minor, gpu.uuid) for gpu in reloaded.gpus] == [
+        (gpu.minor, gpu.uuid) for gpu in sim.gpus
+    ]
+
+
+def test_load_numbers_the_inventory_in_pci_order(tmp_path: Path) -> None:
+    _, reloaded = _shuffled_host(tmp_path / "root")
+    assert [gpu.index for gpu in reloaded.gpus] == [0, 1, 2, 3]
+
+
+def test_more_gpus_than_a_dgx(tmp_path: Path) -> None:
+    sim = make_host(tmp_path / "root", 10)
+    assert [gpu.pci_bus_id for gpu in sim.gpus[8:]] == ["0000:e0:00.0", "0000:e1:00.0"]
+    assert [gpu.minor for gpu in sim.gpus] == list(range(10))
+    assert [gpu.index for gpu in sim.gpus] == list(range(10))
+
+
+def test_setup_either_makes_41_gpus_or_refuses_cleanly(tmp_path: Path) -> None:
+    try:
+        sim = make_host(tmp_path / "root", 41)
+    except SimulatedHostError:
+        assert not (tmp_path / "root").exists()
+    else:
+        assert len(sim.gpus) == 41
+        assert len({gpu.pci_bus_id for gpu in sim.gpus}) == 41
+
+
+def test_several_roots_coexist(tmp_path: Path) -> None:
+    first = make_host(tmp_path / "one", 2)
+    second = make_host(tmp_path / "two", 3)
+    assert not {gpu.uuid for gpu in first.gpus} & {gpu.uuid for gpu in second.gpus}
+    assert load(first.root) == first
+    assert load(second.root) == second
+    teardown(first.root)
+    assert not first.root.exists()
+    assert load(second.root) == second
+
+
+def test_setup_replaces_a_simulated_host(tmp_path: Path) -> None:
+    old = make_host(tmp_path / "root", 3)
+    (old.lease_dir / "leases.json").write_text("{}")
+    new = make_host(tmp_path / "root", 2)
+    assert len(new.gpus) == 2
+    assert not {gpu.uuid for gpu in old.gpus} & {gpu.uuid for gpu in new.gpus}
+    assert not (new.lease_dir / "leases.json").exists()
+    assert not (new.root / "dev" / "nvidia2").exists()
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_count_below_one_is_rejected(tmp_path: Path, count: int) -> None:
+    with pytest.raises(SimulatedHostError, match="at least 1"):
+        setup(tmp_path / "root", count)
+    assert not (tmp_path / "root").exists()
+
+
+def test_teardown_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data.txt").write_text("keep me")
+    with pytest.raises(SimulatedHostError, match="refusing to remove"):
+        teardown(precious)
+    with pytest.raises(SimulatedHostError, match="refusing to remove"):
+        setup(precious, 1)
+    with pytest.raises(SimulatedHostError, match="not a simulated GPU host"):
+        load(precious)
+    assert (precious / "data.txt").read_text() == "keep me"
+
+
+def test_teardown_of_nothing_is_harmless(tmp_path: Path) -> None:
+    teardown(tmp_path / "never-made")
+    with pytest.raises(SimulatedHostError, match="not a simulated GPU host"):
+        load(tmp_path / "never-made")
+
+
+# -- the CDI spec -------------------------------------------------------------------------
+
+
+def test_cdi_spec(host: SimulatedHost) -> None:
+    spec = yaml.safe_load(host.cdi_spec.read_text())
+    assert host.cdi_spec == host.root / "cdi" / "nvidia-sim.yaml"
+    assert spec["cdiVersion"] == "0.5.0"
+    assert spec["kind"] == CDI_KIND == "nvidia.com/gpu"
+
+    def gpu_node(gpu: GpuDevice) -> dict[str, object]:
+        return {
+            "path": f"/dev/nvidia{gpu.minor}",
+            "hostPath": str(host.root / "dev" / f"nvidia{gpu.minor}"),
+            "type": "c",
+            "major": NVIDIA_MAJOR,
+            "minor": gpu.minor,
+        }
+
+    devices = {device["name"]: device["containerEdits"] for device in spec["devices"]}
+    expected_names = [name for gpu in host.gpus for name in (str(gpu.index), gpu.uuid)] + ["all"]
+    assert [device["name"] for device in spec["devices"]] == expected_names
+    for gpu in host.gpus:
+        assert devices[str(gpu.index)] == {"deviceNodes": [gpu_node(gpu)]}
+        assert devices[gpu.uuid] == {"deviceNodes": [gpu_node(gpu)]}
+        assert f"{CDI_KIND}={gpu.index}" in gpu.cdi_names
+    assert devices["all"] == {"deviceNodes": [gpu_node(gpu) for gpu in host.gpus]}
+
+    edits = spec["containerEdits"]
+    assert [(n["path"], n["major"], n["minor"]) for n in edits["deviceNodes"]] == [
+        ("/dev/nvidiactl", 195, 255),
+        ("/dev/nvidia-uvm", UVM_MAJOR, 0),
+        ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1),
+    ]
+    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
+    assert {(m["hostPath"], m["containerPath"]) for m in edits["mounts"]} == {
+        (str(host.share_dir), SANDBOX_SHARE),
+        (str(host.nvidia_smi), "/usr/bin/nvidia-smi"),
+    }
+
+    nodes = [n for device in spec["devices"] for n in device["containerEdits"]["deviceNodes"]]
+    host_paths = [n["hostPath"] for n in nodes + edits["deviceNodes"] + edits["mounts"]]
+    for path in host_paths:
+        assert path.startswith(f"{host.root}/"), path
+        assert Path(path).exists(), path
+
+
+# -- nvidia-smi in a sandbox --------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_the_sandbox_sees_the_share_but_not_the_root(host: SimulatedHost) -> None:
+    """The premise of every test below: only the bound nodes can tell it about GPUs."""
+    hidden = smi(host, command=("test", "-e", str(host.root / "dev" / "nvidia0")))
+    assert hidden.returncode == 1
+    shared = smi(host, command=("test", "-f", f"{SANDBOX_SHARE}/inventory.tsv"))
+    assert shared.returncode == 0
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize(
+    "minors",
+    [
+        pytest.param((0, 1, 2, 3), id="all"),
+        pytest.param((2,), id="one"),
+        pytest.param((3, 1), id="two-out-of-order"),
+    ],
+)
+def test_list_shows_exactly_the_bound_gpus(host: SimulatedHost, minors: tuple[int, ...]) -> None:
+    result = smi(host, "-L", nodes=own(host, *minors))
+    assert result.returncode == 0, result.stderr
+    bound = sorted((by_minor(host, m) for m in minors), key=lambda gpu: gpu.pci_bus_id)
+    assert result.stdout == listing(*bound)
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_query_csv(host: SimulatedHost) -> None:
+    result = smi(host, QUERY, "--format=csv", nodes=own(host, 1, 3))
+    assert result.returncode == 0, result.stderr
+    gpu1, gpu3 = by_minor(host, 1), by_minor(host, 3)
+    assert result.stdout.splitlines() == [
+        "index, uuid, name, pci.bus_id, memory.total [MiB]",
+        f"0, {gpu1.uuid}, {MODEL}, {smi_bus(gpu1)}, {MEMORY_MIB} MiB",
+        f"1, {gpu3.uuid}, {MODEL}, {smi_bus(gpu3)}, {MEMORY_MIB} MiB",
+    ]
+    assert smi_bus(gpu1) == "00000000:2A:00.0"
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_query_csv_noheader_nounits(host: SimulatedHost) -> None:
+    result = smi(host, QUERY, "--format=csv,noheader,nounits", nodes=own(host, 0))
+    assert result.returncode == 0, result.stderr
+    gpu = by_minor(host, 0)
+    assert result.stdout == f"0, {gpu.uuid}, {MODEL}, {smi_bus(gpu)}, {MEMORY_MIB}\n"
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_table_without_arguments(host: SimulatedHost) -> None:
+    result = smi(host, nodes=own(host, 2))
+    assert result.returncode == 0, result.stderr
+    assert smi_bus(by_minor(host, 2)) in result.stdout
+    assert smi_bus(by_minor(host, 0)) not in result.stdout
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize(
+    ("select", "minor"),
+    [
+        pytest.param(["-i", "1"], 1, id="index"),
+        pytest.param(["--id=2"], 2, id="id-equals-index"),
+        pytest.param(["-i2"], 2, id="attached-index"),
+        pytest.param(["-i", "uuid:1"], 1, id="uuid"),
+        pytest.param(["-i", "00000000:2A:00.0"], 1, id="bus-nvidia-smi-form"),
+        pytest.param(["-i", "0000:2a:00.0"], 1, id="bus-sysfs-form"),
+        pytest.param(["--id", "0000:3a:00.0"], 2, id="bus-id-flag"),
+    ],
+)
+def test_select_one_gpu(host: SimulatedHost, select: list[str], minor: int) -> None:
+    select = [arg.replace("uuid:1", by_minor(host, 1).uuid) for arg in select]
+    result = smi(
+        host, *select, "--query-gpu=index,uuid", "--format=csv,noheader", nodes=own(host, 0, 1, 2)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{minor}, {by_minor(host, minor).uuid}\n"
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_select_several_gpus(host: SimulatedHost) -> None:
+    result = smi(host, "-L", "-i", f"0,{by_minor(host, 2).uuid}", nodes=own(host, 0, 1, 2))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"GPU 0: {MODEL} (UUID: {by_minor(host, 0).uuid})",
+        f"GPU 2: {MODEL} (UUID: {by_minor(host, 2).uuid})",
+    ]
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_index_is_the_sandboxs_not_the_hosts(host: SimulatedHost) -> None:
+    result = smi(
+        host, "-i", "1", "--query-gpu=uuid", "--format=csv,noheader", nodes=own(host, 1, 3)
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{by_minor(host, 3).uuid}\n"
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize(
+    "select",
+    [
+        pytest.param(["-i", "uuid:3"], id="uuid-of-an-unbound-gpu"),
+        pytest.param(["-i", "0000:5d:00.0"], id="bus-of-an-unbound-gpu"),
+        pytest.param(["-i", "1"], id="index-past-the-end"),
+    ],
+)
+def test_an_unbound_gpu_cannot_be_selected(host: SimulatedHost, select: list[str]) -> None:
+    select = [arg.replace("uuid:3", by_minor(host, 3).uuid) for arg in select]
+    result = smi(host, "-L", *select, nodes=own(host, 0))
+    assert result.returncode == NO_DEVICES
+    assert "No devices were found" in result.stdout + result.stderr
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize("args", [["-L"], [QUERY, "--format=csv"], []], ids=["L", "query", "table"])
+def test_no_node_means_no_devices(host: SimulatedHost, args: list[str]) -> None:
+    result = smi(host, *args)
+    assert result.returncode == NO_DEVICES
+    assert "No devices were found" in result.stdout + result.stderr
+    assert "GPU-" not in result.stdout
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param({"CUDA_VISIBLE_DEVICES": "0"}, id="cuda-0"),
+        pytest.param({"CUDA_VISIBLE_DEVICES": ""}, id="cuda-empty"),
+        pytest.param({"NVIDIA_VISIBLE_DEVICES": "all"}, id="nvidia-all"),
+        pytest.param({"NVIDIA_VISIBLE_DEVICES": "none"}, id="nvidia-none"),
+        pytest.param(
+            {"NVIDIA_VISIBLE_DEVICES": "all", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, id="both"
+        ),
+    ],
+)
+def test_environment_changes_nothing(host: SimulatedHost, env: dict[str, str]) -> None:
+    result = smi(host, "-L", nodes=own(host, 2, 3), env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == listing(by_minor(host, 2), by_minor(host, 3))
+
+    nothing = smi(host, "-L", env=env)
+    assert nothing.returncode == NO_DEVICES
+    assert nothing.stdout == ""
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(
+            ["--query-gpu=uuid,bogus", "--format=csv"],
+            'Field "bogus" is not a valid field to query.',
+            id="unknown-field",
+        ),
+        pytest.param(["--bogus"], "Invalid combination of input arguments", id="unknown-flag"),
+        pytest.param(["-L", "-x"], "Invalid combination of input arguments", id="unknown-short"),
+        pytest.param(["--query-gpu=uuid", "--format=json"], "requires 'csv'", id="bad-format"),
+    ],
+)
+def test_bad_arguments_exit_2(host: SimulatedHost, args: list[str], message: str) -> None:
+    result = smi(host, *args, nodes=own(host, 0))
+    assert result.returncode == BAD_ARGUMENTS
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.fixture
+def wrong_major_node(tmp_path: Path) -> Path:
+    """A character device 1:3 (what /dev/null is) under a GPU-like name."""
+    path = tmp_path / "nvidia-impostor"
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("needs CAP_MKNOD")
+    return path
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_nodes_that_are_not_gpus_are_not_counted(
+    host: SimulatedHost, tmp_path: Path, wrong_major_node: Path
+) -> None:
+    regular = tmp_path / "regular-file"
+    regular.write_text("")
+    impostors: list[Bind] = [
+        ("/dev/null", "/dev/nvidia0"),
+        (str(wrong_major_node), "/dev/nvidia2"),
+        (str(host.root / "dev" / "nvidiactl"), "/dev/nvidia3"),
+        (str(regular), "/dev/nvidia5"),
+    ]
+    alone = smi(host, "-L", nodes=impostors)
+    assert alone.returncode == NO_DEVICES, alone.stdout
+    result = smi(host, "-L", nodes=[*impostors, *own(host, 1)])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == listing(by_minor(host, 1))
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_a_renamed_node_is_known_by_its_minor(host: SimulatedHost) -> None:
+    renamed: list[Bind] = [(str(host.root / "dev" / "nvidia3"), "/dev/nvidia0")]
+    result = smi(host, "-L", nodes=renamed)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == listing(by_minor(host, 3))
+
+
+@pytest.fixture
+def busybox_bin(tmp_path: Path) -> Path:
+    """A directory where ``stat``, ``awk`` and ``sh`` are busybox applets, and nothing else."""
+    if not BUSYBOX.is_file():
+        pytest.skip(f"needs {BUSYBOX} (apt-get install busybox-static)")
+    bindir = tmp_path / "busybox-bin"
+    bindir.mkdir()
+    for applet in ("stat", "awk", "sh"):
+        (bindir / applet).symlink_to(BUSYBOX)
+    return bindir
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_runs_under_busybox_sh_and_awk(host: SimulatedHost, busybox_bin: Path) -> None:
+    def run(*args: str, nodes: Sequence[Bind]) -> subprocess.CompletedProcess[str]:
+        return smi(
+            host,
+            *args,
+            nodes=nodes,
+            binds=[(str(busybox_bin), "/run/busybox-bin")],
+            env={"PATH": "/run/busybox-bin"},
+            command=(str(BUSYBOX), "sh", SMI),
+        )
+
+    renamed: list[Bind] = [(str(host.root / "dev" / "nvidia3"), "/dev/nvidia0")]
+    result = run("-L", nodes=[*renamed, *own(host, 1), ("/dev/null", "/dev/nvidia2")])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == listing(by_minor(host, 1), by_minor(host, 3))
+
+    query = run(QUERY, "--format=csv", "-i", "0000:5d:00.0", nodes=renamed)
+    assert query.returncode == 0, query.stderr
+    gpu = by_minor(host, 3)
+    assert query.stdout.splitlines() == [
+        "index, uuid, name, pci.bus_id, memory.total [MiB]",
+        f"0, {gpu.uuid}, {MODEL}, {smi_bus(gpu)}, {MEMORY_MIB} MiB",
+    ]
+
+    nothing = run("-L", nodes=[])
+    assert nothing.returncode == NO_DEVICES
+
+
+# -- python -m drivers.simgpu -------------------------------------------------------------
+
+
+def test_cli_setup_show_teardown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    code = main(["setup", "--root", str(root), "--count", "2"])
+    out, err = capsys.readouterr()
+    if code == 1 and "CAP_MKNOD" in err:
+        pytest.skip(err)
+    assert code == 0, err
+    sim = load(root)
+    assert f"simulated GPU host at {root}: 2 GPUs" in out
+    for gpu in sim.gpus:
+        assert (
+            f"GPU {gpu.index}: {MODEL} ({gpu.uuid}, {gpu.pci_bus_id}, /dev/nvidia{gpu.minor})"
+            in out
+        )
+
+    assert main(["show", "--root", str(root)]) == 0
+    assert capsys.readouterr().out == out
+
+    assert main(["teardown", "--root", str(root)]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert not root.exists()
+    assert main(["teardown", "--root", str(root)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["show"], "not a simulated GPU host", id="show-nothing"),
+        pytest.param(["setup", "--count", "0"], "count must be at least 1", id="setup-count-0"),
+        pytest.param(["teardown"], "refusing to remove", id="teardown-foreign"),
+    ],
+)
+def test_cli_errors_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    root = tmp_path / "root"
+    if argv[0] == "teardown":
+        root.mkdir()
+        (root / "keep").write_text("")
+    assert main([*argv, "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert message in err
+    if argv[0] == "teardown":
+        assert (root / "keep").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["bogus"], [], ["setup", "--count", "two"]],
+    ids=["unknown-action", "no-action", "count-not-a-number"],
+)
+def test_cli_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_cli_as_a_module(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "drivers.simgpu", *args, "--root", str(root)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+
+    assert run("show").returncode == 1
+    created = run("setup", "--count", "1")
+    if created.returncode == 1 and "CAP_MKNOD" in created.stderr:
+        pytest.skip(created.stderr)
+    assert created.returncode == 0, created.stderr
+    shown = run("show")
+    assert shown.returncode == 0
+    assert "1 GPUs" in shown.stdout
+    assert run("teardown").returncode == 0
+    assert not root.exists()

@@ -1,0 +1,879 @@
+"""The request model: ``parse_spec`` and ``validate_gpu_request`` on good and bad input.
+
+Every bad request must fail with its exact error type, name the field, and show the
+offending value in its message. When a spec breaks two rules at once, the documented order
+decides which error wins: malformed block, then count, then capability, then ID consistency.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from drivers.errors import (
+    DuplicateGpuDevice,
+    GpuCountMismatch,
+    GpuDevicesWithoutRequest,
+    InvalidDriverConfig,
+    InvalidGpuCount,
+    InvalidGpuRequest,
+    UnsupportedGpuRequest,
+)
+from drivers.spec import (
+    DEFAULT_GPU_COUNT,
+    DriverCapabilities,
+    GpuPlan,
+    GpuRequest,
+    SandboxSpec,
+    parse_driver_config_json,
+    parse_spec,
+    validate_gpu_request,
+)
+
+EXACT = DriverCapabilities(max_gpus_per_sandbox=8, exact_ids=True)
+"""The reference driver's shape: up to 8 GPUs, exact IDs accepted."""
+COUNT_ONLY = DriverCapabilities(max_gpus_per_sandbox=8, exact_ids=False)
+"""A kubernetes-like driver: a count only, no exact device IDs."""
+
+COUNT = "resource_requirements.gpu.count"
+REF_IDS = "driver_config.reference.gpu_device_ids"
+PODMAN_IDS = "driver_config.podman.gpu_device_ids"
+PODMAN_CDI = "driver_config.podman.cdi_devices"
+KUBE_IDS = "driver_config.kubernetes.gpu_device_ids"
+UUID_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
+UUID_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+
+_DEFAULT = object()
+"""``gpu()`` without a count: the default request ``{"gpu": {}}``."""
+
+
+def gpu(count: object = _DEFAULT) -> dict[str, Any]:
+    """``resource_requirements`` asking for ``count`` GPUs (the default request if omitted)."""
+    return {"gpu": {} if count is _DEFAULT else {"count": count}}
+
+
+def request(
+    count: object = _DEFAULT,
+    *,
+    ids: object = None,
+    driver: str = "reference",
+    key: str = "gpu_device_ids",
+    with_gpu: bool = True,
+) -> dict[str, Any]:
+    """A spec dict: a GPU request, plus ``ids`` under ``driver_config.<driver>.<key>``."""
+    spec: dict[str, Any] = {}
+    if with_gpu:
+        spec["resource_requirements"] = gpu(count)
+    if ids is not None:
+        spec["driver_config"] = {driver: {key: ids}}
+    return spec
+
+
+def validate(
+    data: Mapping[str, Any] | str, driver: str, caps: DriverCapabilities
+) -> GpuPlan | None:
+    return validate_gpu_request(parse_spec(data), driver, caps)
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A spec, the driver it is validated for, and exactly how it must be refused."""
+
+    id: str
+    data: Any
+    error: type[Exception]
+    field: str
+    shown: str
+    """A substring the message must contain: the offending value, as the user wrote it."""
+    driver: str = "reference"
+    caps: DriverCapabilities = EXACT
+    stage: str = "validate"
+    """``parse``: ``parse_spec`` refuses it; ``validate``: it parses and the validator refuses."""
+
+
+BAD: list[Bad] = [
+    # -- the count (kept raw by parse_spec, checked by the validator) ---------------------
+    Bad("count-zero", request(0), InvalidGpuCount, COUNT, "got 0"),
+    Bad("count-negative", request(-1), InvalidGpuCount, COUNT, "got -1"),
+    Bad("count-fraction", request(2.5), InvalidGpuCount, COUNT, "got 2.5"),
+    Bad("count-whole-float", request(2.0), InvalidGpuCount, COUNT, "got 2.0"),
+    Bad("count-word", request("two"), InvalidGpuCount, COUNT, "'two'"),
+    Bad("count-numeric-string", request("2"), InvalidGpuCount, COUNT, "'2'"),
+    Bad("count-true", request(True), InvalidGpuCount, COUNT, "True"),
+    Bad("count-false", request(False), InvalidGpuCount, COUNT, "False"),
+    Bad("count-list", request([1]), InvalidGpuCount, COUNT, "[1]"),
+    Bad("count-huge", request(10**6), UnsupportedGpuRequest, COUNT, "1000000"),
+    Bad("count-over-max", request(9), UnsupportedGpuRequest, COUNT, "(9)"),
+    Bad("count-zero-podman", request(0), InvalidGpuCount, COUNT, "got 0", driver="podman"),
+    Bad(
+        "count-word-count-only",
+        request("two"),
+        InvalidGpuCount,
+        COUNT,
+        "'two'",
+        driver="kubernetes",
+        caps=COUNT_ONLY,
+    ),
+    Bad(
+        "count-huge-count-only",
+        request(10**6),
+        UnsupportedGpuRequest,
+        COUNT,
+        "1000000",
+        driver="kubernetes",
+        caps=COUNT_ONLY,
+    ),
+    # -- exact IDs: consistency -----------------------------------------------------------
+    Bad(
+        "duplicate-id",
+        request(2, ids=[UUID_A, UUID_A]),
+        DuplicateGpuDevice,
+        REF_IDS,
+        f"'{UUID_A}'",
+    ),
+    Bad(
+        "duplicate-id-no-count",
+        request(ids=["0", "1", "0"]),
+        DuplicateGpuDevice,
+        REF_IDS,
+        "'0'",
+    ),
+    Bad(
+        "duplicate-id-podman-alias",
+        request(2, ids=[UUID_B, UUID_B], driver="podman", key="cdi_devices"),
+        DuplicateGpuDevice,
+        PODMAN_CDI,
+        f"'{UUID_B}'",
+        driver="podman",
+    ),
+    Bad(
+        "count-id-mismatch",
+        request(3, ids=[UUID_A, UUID_B]),
+        GpuCountMismatch,
+        REF_IDS,
+        "gpu count (3)",
+    ),
+    Bad(
+        "count-id-mismatch-podman",
+        request(1, ids=["0", "1"], driver="podman"),
+        GpuCountMismatch,
+        PODMAN_IDS,
+        "length (2)",
+        driver="podman",
+    ),
+    Bad(
+        "ids-without-gpu-request",
+        request(ids=[UUID_A], with_gpu=False),
+        GpuDevicesWithoutRequest,
+        REF_IDS,
+        UUID_A,
+    ),
+    Bad(
+        "ids-with-null-gpu-request",
+        {
+            "resource_requirements": {"gpu": None},
+            "driver_config": {"reference": {"gpu_device_ids": ["0"]}},
+        },
+        GpuDevicesWithoutRequest,
+        REF_IDS,
+        "['0']",
+    ),
+    Bad(
+        "ids-over-max",
+        request(ids=[str(i) for i in range(9)]),
+        UnsupportedGpuRequest,
+        REF_IDS,
+        "names 9 GPUs",
+    ),
+    # -- exact IDs: capability ------------------------------------------------------------
+    Bad(
+        "exact-ids-unsupported",
+        request(1, ids=["0"], driver="kubernetes"),
+        UnsupportedGpuRequest,
+        KUBE_IDS,
+        "['0']",
+        driver="kubernetes",
+        caps=COUNT_ONLY,
+    ),
+    # -- the active driver's block --------------------------------------------------------
+    Bad(
+        "block-for-other-driver-only",
+        request(ids=["0"], driver="docker"),
+        InvalidDriverConfig,
+        "driver_config",
+        "docker",
+    ),
+    Bad(
+        "alias-block-for-other-driver-only",
+        request(ids=["0"], driver="podman", key="cdi_devices"),
+        InvalidDriverConfig,
+        "driver_config",
+        "podman",
+    ),
+    Bad(
+        "block-for-other-driver-only-podman",
+        request(ids=["0"], driver="reference"),
+        InvalidDriverConfig,
+        "driver_config",
+        "reference",
+        driver="podman",
+    ),
+    Bad(
+        "unknown-key-in-block",
+        {"resource_requirements": gpu(), "driver_config": {"reference": {"gpu_device_idz": ["0"]}}},
+        InvalidDriverConfig,
+        "driver_config.reference.gpu_device_idz",
+        "'gpu_device_idz'",
+    ),
+    Bad(
+        "unknown-key-in-podman-block",
+        {"resource_requirements": gpu(), "driver_config": {"podman": {"devices": ["0"]}}},
+        InvalidDriverConfig,
+        "driver_config.podman.devices",
+        "'devices'",
+        driver="podman",
+    ),
+    Bad(
+        "cdi-devices-on-reference",
+        request(ids=["0"], key="cdi_devices"),
+        InvalidDriverConfig,
+        "driver_config.reference.cdi_devices",
+        "'cdi_devices'",
+    ),
+    Bad(
+        "both-keys-podman",
+        {
+            "resource_requirements": gpu(),
+            "driver_config": {"podman": {"gpu_device_ids": ["0"], "cdi_devices": ["0"]}},
+        },
+        InvalidDriverConfig,
+        "driver_config.podman",
+        "gpu_device_ids and cdi_devices",
+        driver="podman",
+    ),
+    Bad("ids-not-a-list", request(ids=UUID_A), InvalidDriverConfig, REF_IDS, f"'{UUID_A}'"),
+    Bad("ids-an-object", request(ids={"0": 1}), InvalidDriverConfig, REF_IDS, "{'0': 1}"),
+    Bad("empty-list", request(ids=[]), InvalidDriverConfig, REF_IDS, "[]"),
+    Bad(
+        "empty-list-podman-alias",
+        request(ids=[], driver="podman", key="cdi_devices"),
+        InvalidDriverConfig,
+        PODMAN_CDI,
+        "[]",
+        driver="podman",
+    ),
+    Bad("blank-entry", request(ids=["0", "  "]), InvalidDriverConfig, REF_IDS, "'  '"),
+    Bad("empty-string-entry", request(ids=[""]), InvalidDriverConfig, REF_IDS, "''"),
+    Bad("non-string-entry", request(ids=[7]), InvalidDriverConfig, REF_IDS, "got 7"),
+    Bad("null-entry", request(ids=["0", None]), InvalidDriverConfig, REF_IDS, "None"),
+    # -- the envelope (parse_spec) --------------------------------------------------------
+    Bad(
+        "envelope-not-object",
+        {"resource_requirements": gpu(), "driver_config": "podman"},
+        InvalidDriverConfig,
+        "driver_config",
+        "'podman'",
+        stage="parse",
+    ),
+    Bad(
+        "envelope-a-list",
+        {"resource_requirements": gpu(), "driver_config": [{"reference": {}}]},
+        InvalidDriverConfig,
+        "driver_config",
+        "[{'reference': {}}]",
+        stage="parse",
+    ),
+    Bad(
+        "block-not-object",
+        {"resource_requirements": gpu(), "driver_config": {"reference": ["x"]}},
+        InvalidDriverConfig,
+        "driver_config.reference",
+        "['x']",
+        stage="parse",
+    ),
+    Bad(
+        "other-block-not-object",
+        {"resource_requirements": gpu(), "driver_config": {"reference": {}, "docker": "x"}},
+        InvalidDriverConfig,
+        "driver_config.docker",
+        "'x'",
+        stage="parse",
+    ),
+    Bad(
+        "block-null",
+        {"resource_requirements": gpu(), "driver_config": {"reference": None}},
+        InvalidDriverConfig,
+        "driver_config.reference",
+        "None",
+        stage="parse",
+    ),
+    # -- the spec itself (parse_spec) -----------------------------------------------------
+    Bad("spec-a-list", [1, 2], InvalidGpuRequest, "spec", "[1, 2]", stage="parse"),
+    Bad("spec-a-number", 3, InvalidGpuRequest, "spec", "3", stage="parse"),
+    Bad("spec-json-a-list", "[1, 2]", InvalidGpuRequest, "spec", "[1, 2]", stage="parse"),
+    Bad("spec-invalid-json", "{nope", InvalidGpuRequest, "spec", "not valid JSON", stage="parse"),
+    Bad(
+        "spec-unknown-key",
+        {"resource_requirements": gpu(), "gpus": 2},
+        InvalidGpuRequest,
+        "spec.gpus",
+        "'gpus'",
+        stage="parse",
+    ),
+    Bad(
+        "env-not-a-map",
+        {"env": ["A=1"]},
+        InvalidGpuRequest,
+        "env",
+        "['A=1']",
+        stage="parse",
+    ),
+    Bad("env-int-value", {"env": {"A": 1}}, InvalidGpuRequest, "env", "{'A': 1}", stage="parse"),
+    Bad("env-null", {"env": None}, InvalidGpuRequest, "env", "None", stage="parse"),
+    Bad("image-blank", {"image": " "}, InvalidGpuRequest, "image", "' '", stage="parse"),
+    Bad("image-not-string", {"image": 5}, InvalidGpuRequest, "image", "5", stage="parse"),
+    Bad(
+        "requirements-not-object",
+        {"resource_requirements": 1},
+        InvalidGpuRequest,
+        "resource_requirements",
+        "got an integer: 1",
+        stage="parse",
+    ),
+    Bad(
+        "requirements-unknown-key",
+        {"resource_requirements": {"gpu": {}, "cpu": 2}},
+        InvalidGpuRequest,
+        "resource_requirements.cpu",
+        "'cpu'",
+        stage="parse",
+    ),
+    Bad(
+        "gpu-not-object",
+        {"resource_requirements": {"gpu": 2}},
+        InvalidGpuRequest,
+        "resource_requirements.gpu",
+        "got an integer: 2",
+        stage="parse",
+    ),
+    Bad(
+        "gpu-unknown-key",
+        {"resource_requirements": {"gpu": {"count": 1, "model": "H100"}}},
+        InvalidGpuRequest,
+        "resource_requirements.gpu.model",
+        "'model'",
+        stage="parse",
+    ),
+]
+
+
+def _raise(case: Bad) -> InvalidGpuRequest | UnsupportedGpuRequest:
+    """Run the case through its stage and return the error it raised."""
+    __tracebackhide__ = True
+    if case.stage == "parse":
+        with pytest.raises(InvalidGpuRequest) as parse_error:
+            parse_spec(case.data)
+        return parse_error.value
+    spec = parse_spec(case.data)
+    with pytest.raises((InvalidGpuRequest, UnsupportedGpuRequest)) as raised:
+        validate_gpu_request(spec, case.driver, case.caps)
+    assert isinstance(raised.value, InvalidGpuRequest | UnsupportedGpuRequest)
+    return raised.value
+
+
+@pytest.mark.parametrize("case", BAD, ids=[case.id for case in BAD])
+def test_bad_request_is_refused_with_its_exact_error(case: Bad) -> None:
+    error = _raise(case)
+    assert type(error) is case.error, f"{type(error).__name__}: {error}"
+    assert error.field == case.field
+    assert case.shown in str(error)
+
+
+def test_bad_request_table_ids_are_unique() -> None:
+    ids = [case.id for case in BAD]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize(
+    ("data", "value"),
+    [
+        pytest.param(request(2.5), 2.5, id="count"),
+        pytest.param(request(ids=[UUID_A], with_gpu=False), [UUID_A], id="ids-without-request"),
+        pytest.param(request(2, ids=["0", "0"]), "0", id="duplicate"),
+        pytest.param(request(3, ids=["0", "1"]), ["0", "1"], id="mismatch"),
+        pytest.param(request(ids=[7]), 7, id="non-string-entry"),
+        pytest.param(request(ids=[]), [], id="empty-list"),
+    ],
+)
+def test_error_value_is_the_offending_value(data: dict[str, Any], value: object) -> None:
+    with pytest.raises(InvalidGpuRequest) as raised:
+        validate(data, "reference", EXACT)
+    assert raised.value.value == value
+
+
+def test_invalid_json_error_keeps_the_text() -> None:
+    with pytest.raises(InvalidGpuRequest) as raised:
+        parse_spec("{nope")
+    assert type(raised.value) is InvalidGpuRequest
+    assert raised.value.value == "{nope"
+
+
+# -- the order of checks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "active", "error", "field"),
+    [
+        pytest.param(
+            {"resource_requirements": gpu(0), "driver_config": {"reference": {"bogus": 1}}},
+            "reference",
+            InvalidDriverConfig,
+            "driver_config.reference.bogus",
+            id="unknown-key-beats-zero-count",
+        ),
+        pytest.param(
+            request("two", ids=[]),
+            "reference",
+            InvalidDriverConfig,
+            REF_IDS,
+            id="empty-list-beats-word-count",
+        ),
+        pytest.param(
+            request(-1, ids=["0", " "]),
+            "reference",
+            InvalidDriverConfig,
+            REF_IDS,
+            id="blank-entry-beats-negative-count",
+        ),
+        pytest.param(
+            request(0, ids=["0"], driver="docker"),
+            "reference",
+            InvalidDriverConfig,
+            "driver_config",
+            id="other-driver-only-beats-zero-count",
+        ),
+        pytest.param(
+            request(10**6, ids=[1]),
+            "reference",
+            InvalidDriverConfig,
+            REF_IDS,
+            id="non-string-entry-beats-huge-count",
+        ),
+        pytest.param(
+            request(10**6, ids=["0"], key="cdi_devices"),
+            "reference",
+            InvalidDriverConfig,
+            "driver_config.reference.cdi_devices",
+            id="unknown-alias-beats-huge-count",
+        ),
+        pytest.param(
+            request(0, ids=["0"], driver="kubernetes"),
+            "kubernetes",
+            InvalidGpuCount,
+            COUNT,
+            id="zero-count-beats-no-exact-ids",
+        ),
+        pytest.param(
+            request(True, ids=["0"], driver="kubernetes"),
+            "kubernetes",
+            InvalidGpuCount,
+            COUNT,
+            id="boolean-count-beats-no-exact-ids",
+        ),
+        pytest.param(
+            request(10**6, ids=["0", "0"], driver="kubernetes"),
+            "kubernetes",
+            UnsupportedGpuRequest,
+            COUNT,
+            id="huge-count-beats-no-exact-ids",
+        ),
+        pytest.param(
+            request(2, ids=["0", "0"], driver="kubernetes"),
+            "kubernetes",
+            UnsupportedGpuRequest,
+            KUBE_IDS,
+            id="no-exact-ids-beats-duplicate",
+        ),
+        pytest.param(
+            request(3, ids=["0"], driver="kubernetes"),
+            "kubernetes",
+            UnsupportedGpuRequest,
+            KUBE_IDS,
+            id="no-exact-ids-beats-mismatch",
+        ),
+        pytest.param(
+            request(ids=["0"], driver="kubernetes", with_gpu=False),
+            "kubernetes",
+            UnsupportedGpuRequest,
+            KUBE_IDS,
+            id="no-exact-ids-beats-ids-without-request",
+        ),
+        pytest.param(
+            request(10**6, ids=["0", "0"]),
+            "reference",
+            UnsupportedGpuRequest,
+            COUNT,
+            id="huge-count-beats-duplicate",
+        ),
+        pytest.param(
+            request(9, ids=["0"]),
+            "reference",
+            UnsupportedGpuRequest,
+            COUNT,
+            id="count-over-max-beats-mismatch",
+        ),
+        pytest.param(
+            request(ids=["0", "0"], with_gpu=False),
+            "reference",
+            GpuDevicesWithoutRequest,
+            REF_IDS,
+            id="ids-without-request-beats-duplicate",
+        ),
+        pytest.param(
+            request(3, ids=["0", "0"]),
+            "reference",
+            DuplicateGpuDevice,
+            REF_IDS,
+            id="duplicate-beats-mismatch",
+        ),
+    ],
+)
+def test_checks_run_in_the_documented_order(
+    data: dict[str, Any], active: str, error: type[Exception], field: str
+) -> None:
+    """Each spec breaks two rules; the check documented first decides the error."""
+    caps = COUNT_ONLY if active == "kubernetes" else EXACT
+    with pytest.raises((InvalidGpuRequest, UnsupportedGpuRequest)) as raised:
+        validate(data, active, caps)
+    assert type(raised.value) is error, f"{type(raised.value).__name__}: {raised.value}"
+    assert isinstance(raised.value, InvalidGpuRequest | UnsupportedGpuRequest)
+    assert raised.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        pytest.param(
+            {"resource_requirements": {"gpu": 0}, "driver_config": {"reference": 5}},
+            "driver_config.reference",
+            id="non-object-block-beats-non-object-gpu",
+        ),
+        pytest.param(
+            {"resource_requirements": {"gpu": {"count": 0}}, "driver_config": "x"},
+            "driver_config",
+            id="non-object-envelope-beats-bad-count",
+        ),
+    ],
+)
+def test_malformed_envelope_is_refused_before_the_count(data: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidDriverConfig) as raised:
+        parse_spec(data)
+    assert raised.value.field == field
+
+
+# -- happy paths --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param({}, id="empty-spec"),
+        pytest.param({"image": "busybox", "env": {"A": "1"}}, id="no-requirements"),
+        pytest.param({"resource_requirements": {}}, id="empty-requirements"),
+        pytest.param({"resource_requirements": {"gpu": None}}, id="null-gpu"),
+        pytest.param({"driver_config": {"reference": {}}}, id="empty-reference-block"),
+        pytest.param("{}", id="json-text"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("active", "caps"),
+    [("reference", EXACT), ("podman", EXACT), ("kubernetes", COUNT_ONLY)],
+)
+def test_no_gpu_request_gives_no_plan(
+    data: dict[str, Any] | str, active: str, caps: DriverCapabilities
+) -> None:
+    assert validate(data, active, caps) is None
+
+
+@pytest.mark.parametrize(
+    ("active", "caps"),
+    [("reference", EXACT), ("podman", EXACT), ("kubernetes", COUNT_ONLY)],
+)
+@pytest.mark.parametrize(
+    ("data", "count"),
+    [
+        pytest.param(request(), DEFAULT_GPU_COUNT, id="default"),
+        pytest.param(request(None), DEFAULT_GPU_COUNT, id="null-count"),
+        pytest.param(request(1), 1, id="one"),
+        pytest.param(request(3), 3, id="three"),
+        pytest.param(request(8), 8, id="the-maximum"),
+    ],
+)
+def test_count_request_gives_a_count_plan(
+    data: dict[str, Any], count: int, active: str, caps: DriverCapabilities
+) -> None:
+    assert validate(data, active, caps) == GpuPlan(count=count)
+
+
+def test_default_request_is_one_gpu() -> None:
+    plan = validate(request(), "reference", EXACT)
+    assert plan == GpuPlan(count=1, device_ids=(), field="resource_requirements.gpu")
+
+
+@pytest.mark.parametrize(
+    ("data", "active", "plan"),
+    [
+        pytest.param(
+            request(ids=[UUID_A]),
+            "reference",
+            GpuPlan(1, (UUID_A,), REF_IDS),
+            id="one-id-no-count",
+        ),
+        pytest.param(
+            request(ids=["1", "0"]),
+            "reference",
+            GpuPlan(2, ("1", "0"), REF_IDS),
+            id="two-ids-no-count-keep-order",
+        ),
+        pytest.param(
+            request(2, ids=[UUID_A, UUID_B]),
+            "reference",
+            GpuPlan(2, (UUID_A, UUID_B), REF_IDS),
+            id="ids-with-matching-count",
+        ),
+        pytest.param(
+            request(ids=[str(i) for i in range(8)]),
+            "reference",
+            GpuPlan(8, tuple(str(i) for i in range(8)), REF_IDS),
+            id="ids-up-to-the-maximum",
+        ),
+        pytest.param(
+            request(1, ids=["nvidia.com/gpu=0"], driver="podman"),
+            "podman",
+            GpuPlan(1, ("nvidia.com/gpu=0",), PODMAN_IDS),
+            id="podman-gpu-device-ids",
+        ),
+        pytest.param(
+            request(ids=["nvidia.com/gpu=all"], driver="podman", key="cdi_devices"),
+            "podman",
+            GpuPlan(1, ("nvidia.com/gpu=all",), PODMAN_CDI),
+            id="podman-cdi-devices-alias",
+        ),
+        pytest.param(
+            {
+                "resource_requirements": gpu(1),
+                "driver_config": {
+                    "reference": {"gpu_device_ids": [UUID_A]},
+                    "docker": {"gpu_device_ids": ["0", "0", "1"], "cdi_devices": []},
+                    "kubernetes": {"node_selector": {"gpu": "h100"}},
+                    "vm": {},
+                },
+            },
+            "reference",
+            GpuPlan(1, (UUID_A,), REF_IDS),
+            id="other-blocks-are-ignored",
+        ),
+        pytest.param(
+            {
+                "resource_requirements": gpu(),
+                "driver_config": {
+                    "podman": {"cdi_devices": [UUID_B]},
+                    "reference": {"gpu_device_ids": "not even a list", "bogus": True},
+                },
+            },
+            "podman",
+            GpuPlan(1, (UUID_B,), PODMAN_CDI),
+            id="malformed-other-block-is-ignored",
+        ),
+    ],
+)
+def test_exact_ids_give_an_exact_plan(data: dict[str, Any], active: str, plan: GpuPlan) -> None:
+    assert validate(data, active, EXACT) == plan
+
+
+def test_exact_ids_for_other_drivers_are_refused_on_a_count_only_driver() -> None:
+    # The user asked for exact devices; a driver that cannot honour them must not drop them.
+    data = {
+        "resource_requirements": gpu(2),
+        "driver_config": {"kubernetes": {}, "reference": {"gpu_device_ids": [UUID_A]}},
+    }
+    with pytest.raises(InvalidDriverConfig, match="only for reference"):
+        validate(data, "kubernetes", COUNT_ONLY)
+
+
+def test_parsed_spec_keeps_what_was_given() -> None:
+    data = {
+        "image": "busybox:1.36",
+        "env": {"A": "1"},
+        "resource_requirements": gpu(2),
+        "driver_config": {"reference": {"gpu_device_ids": ["0", "1"]}},
+    }
+    spec = parse_spec(json.dumps(data))
+    assert spec == parse_spec(data)
+    assert spec.image == "busybox:1.36"
+    assert dict(spec.env) == {"A": "1"}
+    assert spec.gpu == GpuRequest(2)
+    assert dict(spec.driver_config["reference"]) == {"gpu_device_ids": ["0", "1"]}
+
+
+def test_parse_keeps_the_raw_count_for_the_validator() -> None:
+    assert parse_spec(request("two")).gpu == GpuRequest("two")
+    assert parse_spec(request()).gpu == GpuRequest(None)
+
+
+def test_parsed_spec_mappings_are_read_only() -> None:
+    spec = parse_spec({"env": {"A": "1"}, "driver_config": {"reference": {}}})
+    with pytest.raises(TypeError):
+        spec.env["B"] = "2"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        spec.driver_config["docker"] = {}  # type: ignore[index]
+    with pytest.raises(TypeError):
+        spec.driver_config["reference"]["gpu_device_ids"] = ["0"]  # type: ignore[index]
+
+
+def test_parsed_spec_does_not_alias_the_callers_env() -> None:
+    env = {"A": "1"}
+    spec = parse_spec({"env": env})
+    env["B"] = "2"
+    assert dict(spec.env) == {"A": "1"}
+
+
+def test_parsed_spec_does_not_alias_the_callers_device_ids() -> None:
+    ids = ["0"]
+    spec = parse_spec(
+        {"resource_requirements": gpu(), "driver_config": {"reference": {"gpu_device_ids": ids}}}
+    )
+    ids.append("1")
+    assert validate_gpu_request(spec, "reference", EXACT) == GpuPlan(1, ("0",), REF_IDS)
+
+
+def test_empty_active_block_does_not_hide_other_drivers_ids() -> None:
+    data = {
+        "resource_requirements": gpu(),
+        "driver_config": {"reference": {}, "docker": {"gpu_device_ids": ["0"]}},
+    }
+    with pytest.raises(InvalidDriverConfig) as raised:
+        validate(data, "reference", EXACT)
+    assert "docker" in str(raised.value)
+
+
+def test_with_gpus_builds_the_same_spec_as_parsing() -> None:
+    built = SandboxSpec.with_gpus(2, driver="reference", device_ids=[UUID_A, UUID_B])
+    parsed = parse_spec(request(2, ids=[UUID_A, UUID_B]))
+    assert validate_gpu_request(built, "reference", EXACT) == validate_gpu_request(
+        parsed, "reference", EXACT
+    )
+    assert validate_gpu_request(SandboxSpec.with_gpus(), "reference", EXACT) == GpuPlan(1)
+    assert validate_gpu_request(SandboxSpec(), "reference", EXACT) is None
+
+
+# -- the anchor messages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "active", "message"),
+    [
+        pytest.param(request(0), "reference", "gpu count must be greater than 0", id="zero"),
+        pytest.param(request(-3), "reference", "gpu count must be greater than 0", id="negative"),
+        pytest.param(
+            request(2, ids=[UUID_A, UUID_A]),
+            "reference",
+            f"{REF_IDS} contains duplicate device ID '{UUID_A}'",
+            id="duplicate",
+        ),
+        pytest.param(
+            request(2, ids=["0", "0"], driver="podman", key="cdi_devices"),
+            "podman",
+            f"{PODMAN_CDI} contains duplicate device ID '0'",
+            id="duplicate-podman-alias",
+        ),
+        pytest.param(
+            request(ids=["0"], with_gpu=False),
+            "reference",
+            f"{REF_IDS} requires a gpu request",
+            id="without-request",
+        ),
+        pytest.param(
+            request(ids=["0"], driver="podman", key="cdi_devices", with_gpu=False),
+            "podman",
+            f"{PODMAN_CDI} requires a gpu request",
+            id="without-request-podman-alias",
+        ),
+        pytest.param(
+            request(3, ids=["0", "1"]),
+            "reference",
+            f"gpu count (3) must match {REF_IDS} length (2)",
+            id="mismatch",
+        ),
+        pytest.param(
+            request(1, ids=["0", "1"], driver="podman", key="cdi_devices"),
+            "podman",
+            f"gpu count (1) must match {PODMAN_CDI} length (2)",
+            id="mismatch-podman-alias",
+        ),
+    ],
+)
+def test_anchor_messages(data: dict[str, Any], active: str, message: str) -> None:
+    with pytest.raises(InvalidGpuRequest) as raised:
+        validate(data, active, EXACT)
+    assert message in str(raised.value)
+
+
+def test_anchor_messages_exact_wording() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        (request(0), "gpu count must be greater than 0, got 0"),
+        (request(2, ids=["x", "x"]), f"{REF_IDS} contains duplicate device ID 'x'"),
+        (request(3, ids=["x", "y"]), f"gpu count (3) must match {REF_IDS} length (2)"),
+    ]
+    for data, message in cases:
+        with pytest.raises(InvalidGpuRequest) as raised:
+            validate(data, "reference", EXACT)
+        assert str(raised.value) == message
+
+
+# -- parse_driver_config_json -------------------------------------------------------------
+
+
+def test_driver_config_json_parses_the_envelope() -> None:
+    config = parse_driver_config_json(
+        json.dumps({"reference": {"gpu_device_ids": ["0"]}, "docker": {}})
+    )
+    assert {name: dict(block) for name, block in config.items()} == {
+        "reference": {"gpu_device_ids": ["0"]},
+        "docker": {},
+    }
+    with pytest.raises(TypeError):
+        config["vm"] = {}  # type: ignore[index]
+    spec = SandboxSpec(gpu=GpuRequest(), driver_config=config)
+    assert validate_gpu_request(spec, "reference", EXACT) == GpuPlan(1, ("0",), REF_IDS)
+
+
+def test_driver_config_json_empty_object() -> None:
+    assert dict(parse_driver_config_json("{}")) == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "shown"),
+    [
+        pytest.param("{nope", "driver_config", "not valid JSON", id="invalid-json"),
+        pytest.param("", "driver_config", "not valid JSON", id="empty-text"),
+        pytest.param('["reference"]', "driver_config", "['reference']", id="a-list"),
+        pytest.param('"podman"', "driver_config", "'podman'", id="a-string"),
+        pytest.param("null", "driver_config", "None", id="null"),
+        pytest.param('{"reference": 1}', "driver_config.reference", "1", id="block-a-number"),
+        pytest.param('{"podman": ["0"]}', "driver_config.podman", "['0']", id="block-a-list"),
+    ],
+)
+def test_driver_config_json_rejects_bad_input(text: str, field: str, shown: str) -> None:
+    with pytest.raises(InvalidDriverConfig) as raised:
+        parse_driver_config_json(text)
+    assert type(raised.value) is InvalidDriverConfig
+    assert raised.value.field == field
+    assert shown in str(raised.value)
