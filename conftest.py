@@ -213,6 +213,8 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     driver: Driver = request.getfixturevalue("driver")
+    if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
+        pytest.skip(f"not applicable: the {driver.name} driver shares GPUs (exclusive=False)")
     marker = request.node.get_closest_marker("gpus")
     have = len(driver.inventory())
     if marker is not None and have < marker.args[0]:
@@ -255,8 +257,6 @@ def settings(pytestconfig: pytest.Config) -> Settings:
 
 # -- the per-requirement report ---------------------------------------------------------
 
-_RANK = {"failed": 3, "error": 3, "passed": 1, "skipped": 0}
-
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -288,15 +288,46 @@ def _message(report: pytest.TestReport) -> str:
     return ""
 
 
-def requirement_matrix(reports: list[dict[str, str]]) -> dict[str, dict[str, str]]:
-    """Requirement → driver → the worst outcome of its tests (failed > passed > skipped)."""
-    matrix: dict[str, dict[str, str]] = {}
+def requirement_matrix(
+    reports: list[dict[str, str]], requirements: list[str], drivers: list[str]
+) -> dict[str, dict[str, str]]:
+    """Requirement → driver → one verdict over its tests.
+
+    ``failed`` if any failed; ``passed`` if all passed; ``partial`` if some passed and the
+    rest were skipped (e.g. for want of GPUs); ``skipped`` if all were; ``not run`` for a
+    requirement of the golden list that no selected test covered.
+    """
+    outcomes: dict[tuple[str, str], set[str]] = {}
     for entry in reports:
-        cell = matrix.setdefault(entry["requirement"], {})
-        current = cell.get(entry["driver"])
-        if current is None or _RANK[entry["outcome"]] > _RANK[current]:
-            cell[entry["driver"]] = entry["outcome"]
+        outcome = "failed" if entry["outcome"] == "error" else entry["outcome"]
+        outcomes.setdefault((entry["requirement"], entry["driver"]), set()).add(outcome)
+    matrix: dict[str, dict[str, str]] = {}
+    for requirement in sorted({*requirements, *(req for req, _ in outcomes)}):
+        row = matrix[requirement] = {}
+        for driver in drivers:
+            seen = outcomes.get((requirement, driver), set())
+            if not seen:
+                row[driver] = "not run"
+            elif "failed" in seen:
+                row[driver] = "failed"
+            elif seen == {"passed"}:
+                row[driver] = "passed"
+            elif "passed" in seen:
+                row[driver] = "partial"
+            else:
+                row[driver] = "skipped"
     return matrix
+
+
+def _nothing_ran(reports: list[dict[str, str]]) -> bool:
+    return bool(reports) and all(entry["outcome"] == "skipped" for entry in reports)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A run in which every driver was skipped checked nothing: it must not pass.
+    if not hasattr(session.config, "workerinput") and _nothing_ran(_REPORTS):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -304,13 +335,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if hasattr(config, "workerinput") or not _REPORTS:
         return
     settings = config.stash[settings_key]
-    matrix = requirement_matrix(_REPORTS)
-    drivers = [name for name in settings.drivers if any(name in row for row in matrix.values())]
+    drivers = [name for name in settings.drivers if any(e["driver"] == name for e in _REPORTS)]
+    matrix = requirement_matrix(_REPORTS, list(_applicability()), drivers)
     terminalreporter.section("conformance by requirement")
     host = GpuHost.open(settings.host_config)
     terminalreporter.write_line(f"GPU host: {host.describe()}")
     if host.simulated:
         terminalreporter.write_line("These results used SIMULATED GPUs.")
+    if _nothing_ran(_REPORTS):
+        terminalreporter.write_line(
+            "FAIL: no driver could run here; every conformance test was skipped.", red=True
+        )
     width = max(len(req) for req in matrix) + 2
     terminalreporter.write_line("requirement".ljust(width) + "".join(d.ljust(12) for d in drivers))
     for req in sorted(matrix):

@@ -30,6 +30,7 @@ def _expect_exhausted(sandboxes: SandboxFactory, count: int | None, available: i
     assert (raised.value.requested, raised.value.available) == (requested, available)
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-EXHAUST-01")
 def test_more_than_free_fails_promptly_and_takes_nothing(
     driver: Driver, sandboxes: SandboxFactory
@@ -54,6 +55,7 @@ def _assert_fair_outcome(granted: list[list[str]], errors: list[BaseException], 
     assert not wrong, f"losers must get GpusExhausted, got {wrong!r}"
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-CONCURRENT-01")
 def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
     """Concurrent creates from threads MUST never grant a GPU twice."""
@@ -77,6 +79,7 @@ def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
     assert_all_gpus_grantable(driver, after="the concurrent creates closed")
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-CONCURRENT-02")
 def test_concurrent_creates_from_processes_never_share(driver: Driver, settings: Settings) -> None:
     """Concurrent creates from separate processes MUST never grant a GPU twice."""

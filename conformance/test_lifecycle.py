@@ -55,6 +55,9 @@ def test_killed_sandbox_gpus_are_reclaimed(
     assert set(uuids(successor)) & set(uuids(victim)), (
         f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
     )
+    assert victim.id not in driver.sandboxes(driver.session_id), (
+        f"the killed sandbox {victim.id} still exists, yet its GPUs were handed out again"
+    )
 
 
 @pytest.mark.requirement("GPU-RECLAIM-02")
@@ -74,6 +77,9 @@ def test_gpus_of_a_dead_creator_are_reclaimed(
         retry_on=(GpusExhausted,),
     )
     assert set(uuids(successor)) & set(reply["gpus"])
+    assert reply["sandbox"] not in driver.sandboxes(driver.session_id), (
+        f"sandbox {reply['sandbox']} outlived its creator, yet its GPUs were handed out again"
+    )
 
 
 @pytest.mark.requirement("SANDBOX-REAP-01")

@@ -12,8 +12,9 @@ from drivers.spec import SandboxSpec
 from drivers.testing import uuids, visible_gpu_uuids
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-DEFAULT-02")
-@pytest.mark.gpus(2)
+@pytest.mark.gpus(3)
 def test_default_request_gets_a_free_gpu(
     driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
 ) -> None:
@@ -25,7 +26,7 @@ def test_default_request_gets_a_free_gpu(
     assert len(set(flat)) == len(flat), f"k live sandboxes share GPUs: {flat}"
 
     # Free one in the middle: the next two defaults must take exactly the two free GPUs.
-    released = held.pop(1)
+    released = held.pop(len(held) // 2)
     released.close()
     still_held = {uuids(sandbox)[0] for sandbox in held}
     free = set(host_gpus) - still_held
@@ -36,6 +37,7 @@ def test_default_request_gets_a_free_gpu(
     assert visible_gpu_uuids(first) == uuids(first)
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-DEFAULT-02")
 @pytest.mark.gpus(2)
 def test_default_request_avoids_gpus_held_by_another_process(
@@ -76,6 +78,7 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
             assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, last.uuid])
 
 
+@pytest.mark.exclusive
 @pytest.mark.requirement("GPU-BUSY-01")
 def test_exact_id_held_by_another_sandbox_is_busy(
     driver: Driver, sandboxes: SandboxFactory

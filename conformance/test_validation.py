@@ -19,6 +19,7 @@ from drivers.errors import (
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
+    RequestError,
     UnknownGpuDevice,
     UnsupportedGpuRequest,
 )
@@ -35,6 +36,8 @@ class BadRequest:
     value: Callable[[Driver], str]
     """What the error message must contain: the offending value."""
     needs_exact_ids: bool = False
+    needs_two_per_sandbox: bool = False
+    """The request names two GPUs: below that per-sandbox maximum, capability comes first."""
 
 
 def _gpu(count: object = None) -> dict[str, Any]:
@@ -82,7 +85,7 @@ CONFIG_ERRORS = {
     ),
     "empty-list": BadRequest(lambda d: _ids(d, []), InvalidDriverConfig, lambda d: "[]"),
     "blank-entry": BadRequest(lambda d: _ids(d, ["  "]), InvalidDriverConfig, lambda d: "'  '"),
-    "non-string-entry": BadRequest(lambda d: _ids(d, [7]), InvalidDriverConfig, lambda d: "7"),
+    "non-string-entry": BadRequest(lambda d: _ids(d, [7]), InvalidDriverConfig, lambda d: "got 7"),
     "block-for-another-driver-only": BadRequest(
         lambda d: {
             "resource_requirements": _gpu(),
@@ -95,19 +98,19 @@ CONFIG_ERRORS = {
 
 COUNT_ERRORS = {
     "zero": BadRequest(
-        lambda d: {"resource_requirements": _gpu(0)}, InvalidGpuCount, lambda d: "0"
+        lambda d: {"resource_requirements": _gpu(0)}, InvalidGpuCount, lambda d: "got 0"
     ),
     "negative": BadRequest(
-        lambda d: {"resource_requirements": _gpu(-1)}, InvalidGpuCount, lambda d: "-1"
+        lambda d: {"resource_requirements": _gpu(-1)}, InvalidGpuCount, lambda d: "got -1"
     ),
     "fraction": BadRequest(
-        lambda d: {"resource_requirements": _gpu(2.5)}, InvalidGpuCount, lambda d: "2.5"
+        lambda d: {"resource_requirements": _gpu(2.5)}, InvalidGpuCount, lambda d: "got 2.5"
     ),
     "word": BadRequest(
-        lambda d: {"resource_requirements": _gpu("two")}, InvalidGpuCount, lambda d: "'two'"
+        lambda d: {"resource_requirements": _gpu("two")}, InvalidGpuCount, lambda d: "got 'two'"
     ),
     "boolean": BadRequest(
-        lambda d: {"resource_requirements": _gpu(True)}, InvalidGpuCount, lambda d: "True"
+        lambda d: {"resource_requirements": _gpu(True)}, InvalidGpuCount, lambda d: "got True"
     ),
     "huge": BadRequest(
         lambda d: {"resource_requirements": _gpu(10**6)},
@@ -120,20 +123,23 @@ ID_ERRORS = {
     "duplicate": BadRequest(
         lambda d: _ids(d, [_id(d), _id(d)], count=2),
         DuplicateGpuDevice,
-        lambda d: _id(d),
+        lambda d: f"'{_id(d)}'",
         needs_exact_ids=True,
+        needs_two_per_sandbox=True,
     ),
     "duplicate-by-alias": BadRequest(
         lambda d: _ids(d, [_id(d, form=0), _id(d, form=-1)], count=2),
         DuplicateGpuDevice,
-        lambda d: _id(d, form=-1),
+        lambda d: f"'{_id(d, form=-1)}'",
         needs_exact_ids=True,
+        needs_two_per_sandbox=True,
     ),
     "count-mismatch": BadRequest(
         lambda d: _ids(d, [_id(d)], count=2),
         GpuCountMismatch,
-        lambda d: "(2)",
+        lambda d: "gpu count (2) must match",
         needs_exact_ids=True,
+        needs_two_per_sandbox=True,
     ),
     "ids-without-gpu-request": BadRequest(
         lambda d: _ids(d, [_id(d)], gpu=False),
@@ -162,11 +168,16 @@ def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest)
     expected = case.error
     if case.needs_exact_ids and not driver.capabilities.exact_ids:
         expected = UnsupportedGpuRequest
+    elif case.needs_two_per_sandbox and driver.capabilities.max_gpus_per_sandbox < 2:
+        pytest.skip(f"needs a driver that takes 2 GPUs per sandbox ({driver.name} takes 1)")
     request = case.build(driver)
     with pytest.raises(expected) as raised:
         sandboxes(parse_spec(request))
-    value = case.value(driver)
-    assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
+    if expected is case.error:
+        value = case.value(driver)
+        assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
+    if isinstance(raised.value, RequestError):
+        assert raised.value.field, f"{type(raised.value).__name__} names no field"
     assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
     assert_all_gpus_grantable(driver, after=f"the rejected request {request}")
 

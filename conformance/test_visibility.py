@@ -53,10 +53,14 @@ def test_count_request_sees_exactly_n_distinct_gpus(
 
 
 @pytest.mark.requirement("GPU-ISOLATION-01")
+@pytest.mark.gpus(2)
 def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFactory) -> None:
     """Only the assigned GPUs' device nodes MUST exist inside the sandbox."""
-    count = min(2, len(driver.inventory()), driver.capabilities.max_gpus_per_sandbox)
+    count = min(2, driver.capabilities.max_gpus_per_sandbox)
     sandbox = sandboxes(SandboxSpec.with_gpus(count))
+    assert all(gpu.minor is not None for gpu in sandbox.gpus), (
+        f"the driver reports GPUs without a device minor: {sandbox.gpus}"
+    )
     expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
     nodes = nvidia_gpu_nodes(sandbox)
     assert sorted(node.minor for node in nodes) == expected, (

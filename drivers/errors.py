@@ -24,13 +24,17 @@ class DriverUnavailable(DriverError):
         self.reason = reason
 
 
-class InvalidGpuRequest(DriverError, ValueError):
-    """A GPU request that is malformed or inconsistent; raised before anything is allocated."""
+class RequestError(DriverError):
+    """A refused request: ``field`` is where the problem is, ``value`` what was found there."""
 
     def __init__(self, field: str, value: object, problem: str) -> None:
         super().__init__(problem)
         self.field = field
         self.value = value
+
+
+class InvalidGpuRequest(RequestError, ValueError):
+    """A GPU request that is malformed or inconsistent; raised before anything is allocated."""
 
 
 class InvalidDriverConfig(InvalidGpuRequest):
@@ -57,13 +61,8 @@ class UnknownGpuDevice(InvalidGpuRequest):
     """An exact device ID names no GPU on this host."""
 
 
-class UnsupportedGpuRequest(DriverError):
+class UnsupportedGpuRequest(RequestError):
     """A well-formed request that this driver can never serve (a capability it lacks)."""
-
-    def __init__(self, field: str, value: object, problem: str) -> None:
-        super().__init__(problem)
-        self.field = field
-        self.value = value
 
 
 class GpuAllocationError(DriverError):

@@ -68,10 +68,6 @@ class GpuDevice:
         """The CDI device names an nvidia-ctk spec gives this GPU: by index and by UUID."""
         return (f"{CDI_KIND}={self.index}", f"{CDI_KIND}={self.uuid}")
 
-    def native_ids(self) -> tuple[str, ...]:
-        """Every exact ID this GPU answers to: index, UUID, PCI bus id and CDI names."""
-        return (str(self.index), self.uuid, self.pci_bus_id, *self.cdi_names)
-
     def describe(self) -> str:
         return f"GPU {self.index} ({self.uuid}, {self.pci_bus_id})"
 

@@ -1,6 +1,6 @@
 """Host-wide GPU ownership: one lease registry per host, shared by every local driver.
 
-The registry is a JSON file guarded by an ``flock`` on a sibling lock file, so grants are
+The registry is a JSON file guarded by an ``flock`` on the file itself, so grants are
 atomic across threads *and* processes: two drivers, two pytest-xdist workers or two users
 never hand out the same GPU. Each lease names its holder with a liveness handle (a process
 id plus its start time, or a container id a driver knows how to check); a lease whose holder
@@ -13,11 +13,13 @@ today; ``mode`` is recorded per lease so a later shared mode only has to change
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -41,7 +43,7 @@ class Holder:
     @classmethod
     def process(cls, pid: int) -> Holder:
         """The process ``pid``, pinned by its start time so a reused pid is not mistaken."""
-        return cls("process", f"{_boot_id()}:{pid}:{_start_time(pid)}")
+        return cls("process", f"{_boot_id()}:{pid}:{process_start_time(pid)}")
 
     def __str__(self) -> str:
         return f"{self.kind} {self.ref}"
@@ -75,12 +77,16 @@ LivenessCheck = Callable[[Holder], bool]
 
 
 def _process_alive(holder: Holder) -> bool:
-    boot_id, pid, start = holder.ref.split(":")
+    try:
+        boot_id, pid, start = holder.ref.split(":")
+        pid_number = int(pid)
+    except ValueError:
+        return True  # not ours to judge: never take a GPU back on a guess
     if boot_id != _boot_id():
         return False
     try:
-        fields = _stat_fields(int(pid))
-    except FileNotFoundError:
+        fields = _stat_fields(pid_number)
+    except OSError:  # gone (ENOENT), or exiting as we read (ESRCH)
         return False
     # A zombie has exited: its parent just has not reaped it yet.
     return fields[19] == start and fields[0] not in ("Z", "X")
@@ -101,8 +107,8 @@ class LeaseRegistry:
         self.directory = directory
         self._path = directory / "leases.json"
         self._thread_lock = threading.Lock()
-        self._owner_pid = -1
         self._file_fd = -1
+        _REGISTRIES.add(self)
 
     def acquire(
         self,
@@ -174,48 +180,76 @@ class LeaseRegistry:
 
     @contextmanager
     def _locked(self) -> Iterator[list[Lease]]:
-        """Hold the host lock; yield the live leases; write them back if they changed.
+        """Hold the host lock; yield the live leases; write them back if they changed."""
+        with self._exclusive() as fd:
+            stored = self._load(fd)
+            leases = [lease for lease in stored if _alive(lease.holder)]
+            yield leases
+            if leases != stored:
+                self._store(fd, leases)
 
-        ``flock`` excludes other open files (other processes, other registries); the thread
-        lock excludes threads sharing this one. The file is rewritten in place with a single
-        ``pwrite`` (a signal cannot split it) and then truncated, which is several times
-        faster than write-and-rename; a writer killed between the two leaves valid JSON
-        followed by stale bytes, which ``_load`` ignores.
+    @contextmanager
+    def _exclusive(self) -> Iterator[int]:
+        """Exclude every other holder of the lease file: threads here, and other processes.
+
+        ``flock`` excludes other open file descriptions (other processes, other registry
+        objects); the thread lock excludes threads sharing this one.
         """
         with self._thread_lock:
             fd = self._fd()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                stored = self._load(fd)
-                leases = [lease for lease in stored if _alive(lease.holder)]
-                yield leases
-                if leases != stored:
-                    data = self._encode(leases)
-                    os.pwrite(fd, data, 0)
-                    os.ftruncate(fd, len(data))
+                yield fd
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _fd(self) -> int:
-        # A forked child must not share its parent's open file: flock would not exclude them.
-        if self._owner_pid != os.getpid():
+        if self._file_fd < 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file_fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            self._owner_pid = os.getpid()
+            self._file_fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            # Every user's sandboxes share one host's GPUs, so every user may take leases.
+            with contextlib.suppress(PermissionError):
+                os.fchmod(self._file_fd, 0o666)
         return self._file_fd
 
-    @staticmethod
-    def _encode(leases: list[Lease]) -> bytes:
-        payload = {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
-        return json.dumps(payload).encode()
+    def _after_fork_in_child(self) -> None:
+        # The parent's open file would share its flock with the child, and a thread of the
+        # parent may have held the thread lock at the fork: start afresh.
+        if self._file_fd >= 0:
+            os.close(self._file_fd)
+        self._file_fd = -1
+        self._thread_lock = threading.Lock()
 
     @staticmethod
     def _load(fd: int) -> list[Lease]:
         size = os.fstat(fd).st_size
         if size == 0:
             return []
+        # raw_decode: a writer killed between pwrite and ftruncate leaves stale bytes behind.
         raw, _ = json.JSONDecoder().raw_decode(os.pread(fd, size, 0).decode())
         return [_lease_from_dict(item) for item in raw["leases"]]
+
+    @staticmethod
+    def _store(fd: int, leases: list[Lease]) -> None:
+        # Rewritten in place, which is several times faster than write-and-rename; the lock
+        # keeps readers out until the write and the truncation are both done.
+        payload = {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
+        data = json.dumps(payload).encode()
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], written)
+        os.ftruncate(fd, len(data))
+
+
+_REGISTRIES: weakref.WeakSet[LeaseRegistry] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for registry in _REGISTRIES:
+        registry._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _conflicts(existing: Lease | None, mode: str) -> bool:
@@ -262,5 +296,6 @@ def _stat_fields(pid: int) -> list[str]:
     return raw[raw.rindex(")") + 2 :].split()
 
 
-def _start_time(pid: int) -> str:
+def process_start_time(pid: int) -> str:
+    """When ``pid`` started, in clock ticks since boot: with the pid, a unique identity."""
     return _stat_fields(pid)[19]

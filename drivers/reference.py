@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
 from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from drivers.gpus import GpuDevice
-from drivers.ownership import Holder, LeaseOwner
+from drivers.ownership import Holder, LeaseOwner, process_start_time
 from drivers.simgpu import SANDBOX_SHARE
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 from drivers.wait import wait_until
@@ -42,11 +42,23 @@ REAP_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
+"""The environment of the host-side bwrap and nsenter: fixed, never the user's."""
+_TOOLS = ("bwrap", "nsenter", "setpriv", "env")
 _HIDDEN_BY_TMPFS = (Path("/tmp"), Path("/run"))
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 _spawners: dict[int, ThreadPoolExecutor] = {}
 _spawners_lock = threading.Lock()
+
+
+def _reset_spawners_lock() -> None:
+    global _spawners_lock
+    _spawners_lock = threading.Lock()
+
+
+# A thread of the parent may hold the lock at fork(); the child's copy would stay locked.
+os.register_at_fork(after_in_child=_reset_spawners_lock)
 
 
 def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
@@ -83,12 +95,12 @@ class ReferenceDriver(Driver):
         )
 
     def probe(self) -> Availability:
-        missing = [tool for tool in ("bwrap", "nsenter") if not shutil.which(tool)]
+        missing = [tool for tool in _TOOLS if not shutil.which(tool, path=_BASE_PATH)]
         if missing:
             return Availability(
                 False,
-                f"needed {', '.join(missing)} on PATH (found none; "
-                "apt-get install bubblewrap util-linux)",
+                f"needed {', '.join(missing)} in {_BASE_PATH} (found none; "
+                "apt-get install bubblewrap util-linux coreutils)",
             )
         if not self.host.gpus:
             return Availability(
@@ -97,10 +109,11 @@ class ReferenceDriver(Driver):
                 "use --sim-root for a simulated GPU host)",
             )
         trial = subprocess.run(
-            ["bwrap", "--ro-bind", "/", "/", "--unshare-all", "--dev", "/dev", "true"],
+            [tool("bwrap"), "--ro-bind", "/", "/", "--unshare-all", "--dev", "/dev", "true"],
             capture_output=True,
             text=True,
             check=False,
+            env=HOST_ENV,
         )
         if trial.returncode != 0:
             return Availability(
@@ -162,7 +175,7 @@ class ReferenceDriver(Driver):
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         """The bwrap command line of a sandbox holding ``gpus``."""
         argv = [
-            "bwrap",
+            tool("bwrap"),
             "--ro-bind", "/", "/",
             "--dev", "/dev",
             "--proc", "/proc",
@@ -175,10 +188,15 @@ class ReferenceDriver(Driver):
             "--setenv", SESSION_ENV, self.session_id,
             "--setenv", SANDBOX_ENV, sandbox_id,
         ]  # fmt: skip
+        # The host's own GPU state (a simulated host's nodes, the lease file, which names every
+        # sandbox's GPUs) stays out of sight: under /tmp or /run it already is.
         sim = self.host.simulated
+        for state in (sim.root if sim else None, self.host.leases.directory):
+            if state is not None and state.exists():
+                resolved = state.resolve()
+                if not any(resolved.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
+                    argv += ["--tmpfs", str(resolved)]
         if sim is not None:
-            if not any(sim.root.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
-                argv += ["--tmpfs", str(sim.root)]
             argv += ["--ro-bind", str(sim.share_dir), SANDBOX_SHARE]
         # Device binds come after `--dev /dev`, which would otherwise hide them.
         if gpus:
@@ -210,59 +228,90 @@ class ReferenceSandbox(Sandbox):
         self._env = driver.sandbox_env(env)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._process, self._child_pid = self._start(driver.bwrap_argv(sandbox_id, gpus))
-        driver.host.leases.set_holder(sandbox_id, driver.holder(self._process.pid))
+        self._process, self._child_pid, self._child_start = self._start(
+            driver.bwrap_argv(sandbox_id, gpus)
+        )
+        try:
+            driver.host.leases.set_holder(sandbox_id, driver.holder(self._process.pid))
+        except BaseException:
+            self._stop()
+            raise
 
     @property
     def pid(self) -> int:
         """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
         return self._process.pid
 
-    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+        """Start bwrap; return it, the sandbox init's host pid and that pid's start time."""
         info_read, info_write = os.pipe()
-        process = _spawn(
-            [*argv, "--info-fd", str(info_write), *self._driver.init_argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(info_write,),
-            env=self._env,
-        )
-        os.close(info_write)
-        assert process.stdout is not None
-        with os.fdopen(info_read, "rb") as info:
-            ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-            if not ready or process.stdout.readline() != b"ready\n":
-                process.kill()
-                _, stderr = process.communicate()
-                raise SandboxStartError(
-                    f"sandbox {self.id} did not start within {START_TIMEOUT_S:g} s "
-                    f"(bwrap exit {process.returncode}): {stderr.decode(errors='replace').strip()}"
-                )
-            child_pid = int(json.loads(info.read())["child-pid"])
-        return process, child_pid
+        try:
+            process = _spawn(
+                [*argv, "--info-fd", str(info_write), *self._driver.init_argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(info_write,),
+                env=HOST_ENV,
+            )
+        except BaseException:
+            os.close(info_read)
+            raise
+        finally:
+            os.close(info_write)
+        try:
+            with os.fdopen(info_read, "rb") as info:
+                assert process.stdout is not None
+                ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+                if not ready or process.stdout.readline() != b"ready\n":
+                    process.kill()
+                    _, stderr = process.communicate()
+                    raise SandboxStartError(
+                        f"sandbox {self.id} did not start within {START_TIMEOUT_S:g} s "
+                        f"(bwrap exit {process.returncode}): "
+                        f"{stderr.decode(errors='replace').strip()}"
+                    )
+                child_pid = int(json.loads(info.read())["child-pid"])
+                return process, child_pid, process_start_time(child_pid)
+        except BaseException:
+            _stop_process(process)
+            raise
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        if self._closed or self._process.poll() is not None:
-            raise SandboxExecError(f"sandbox {self.id} is not running; cannot run {list(argv)!r}")
-        # No setpriv --no-new-privs here: every mount bwrap makes is nosuid, so there is
-        # no setuid or file-capability binary to gain privileges from, and it costs an exec.
-        process = subprocess.Popen(
-            ["nsenter", f"--target={self._child_pid}", "--all", "--root", "--wd", *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=self._env,
-            start_new_session=True,
-        )
+        self._check_running(argv)
+        # Inside, the command gets the sandbox's environment and no capabilities: root in the
+        # sandbox's user namespace could otherwise unmount and re-bind device nodes and so
+        # reach GPUs it was not given. Outside, nsenter runs with the host's fixed environment,
+        # never the user's (an LD_PRELOAD there would run as the host user).
+        command = [
+            tool("nsenter"), f"--target={self._child_pid}", "--all", "--root", "--wd",
+            "setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
+            "env", "-i", *(f"{key}={value}" for key, value in self._env.items()), *argv,
+        ]  # fmt: skip
+        try:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=HOST_ENV,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SandboxExecError(
+                f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
+            ) from exc
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             # nsenter forked the command inside the sandbox's pid namespace; it shares the
             # process group started here, so the group kill reaches it.
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
             raise ExecTimeout(argv, timeout) from None
+        if process.returncode != 0:
+            self._check_running(argv)  # a sandbox that died meanwhile is an error, not a result
         return ExecResult(
             tuple(argv),
             process.returncode,
@@ -270,27 +319,50 @@ class ReferenceSandbox(Sandbox):
             stderr.decode(errors="replace"),
         )
 
+    def _check_running(self, argv: Sequence[str]) -> None:
+        # The start time guards against entering an unrelated process that reused the pid.
+        try:
+            alive = process_start_time(self._child_pid) == self._child_start
+        except OSError:
+            alive = False
+        if self._closed or self._process.poll() is not None or not alive:
+            raise SandboxExecError(f"sandbox {self.id} is not running; cannot run {list(argv)!r}")
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         try:
-            assert self._process.stdin is not None
-            self._process.stdin.close()
-            try:
-                self._process.wait(self._driver.close_timeout_s)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-            for stream in (self._process.stdout, self._process.stderr):
-                if stream is not None:
-                    stream.close()
+            self._stop(graceful=True)
         finally:
             self._driver.release(self.id)
 
+    def _stop(self, graceful: bool = False) -> None:
+        if graceful:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(self._driver.close_timeout_s)
+        _stop_process(self._process)
+
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)
+
+
+def tool(name: str) -> str:
+    """The absolute path of a host tool, looked up in the fixed host PATH."""
+    return shutil.which(name, path=_BASE_PATH) or name
+
+
+def _stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Kill (if still running) and reap a process, and close our ends of its pipes."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None:
+            stream.close()
 
 
 def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:

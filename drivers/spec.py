@@ -16,7 +16,6 @@ Validation runs in two steps, both before anything is allocated:
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -164,6 +163,13 @@ def validate_gpu_request(
             f"the {driver} driver does not support exact GPU device IDs; "
             f"{ids_field} = {list(device_ids)!r}: request a count instead",
         )
+    if device_ids and len(device_ids) > caps.max_gpus_per_sandbox:
+        raise UnsupportedGpuRequest(
+            ids_field,
+            list(device_ids),
+            f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
+            f"{caps.max_gpus_per_sandbox} per sandbox",
+        )
 
     if device_ids is None:
         return None if count is None else GpuPlan(count=count)
@@ -186,13 +192,6 @@ def validate_gpu_request(
             ids_field,
             list(device_ids),
             f"gpu count ({count}) must match {ids_field} length ({len(device_ids)})",
-        )
-    if len(device_ids) > caps.max_gpus_per_sandbox:
-        raise UnsupportedGpuRequest(
-            ids_field,
-            list(device_ids),
-            f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
-            f"{caps.max_gpus_per_sandbox} per sandbox",
         )
     return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field)
 
@@ -284,7 +283,8 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
             )
         return f"{prefix}.{DEVICE_IDS_KEY}", None
     ids_field = f"{prefix}.{present[0]}"
-    value = block[present[0]]
+    # Parsed specs hold tuples (read-only); errors show the list the user wrote.
+    value = list(block[present[0]]) if isinstance(block[present[0]], tuple) else block[present[0]]
     if not isinstance(value, list):
         raise InvalidDriverConfig(
             ids_field,
@@ -325,10 +325,17 @@ def _reject_unknown_keys(
 
 
 def _freeze(config: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
-    # Deep-copied: a list the caller mutates after parsing must not change the spec.
-    return MappingProxyType(
-        {str(k): MappingProxyType(copy.deepcopy(dict(v))) for k, v in config.items()}
-    )
+    frozen: Mapping[str, Mapping[str, Any]] = _deep_freeze(config)
+    return frozen
+
+
+def _deep_freeze(value: Any) -> Any:
+    """Read-only copies all the way down: nothing the caller keeps can change the spec."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _deep_freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_deep_freeze(item) for item in value)
+    return value
 
 
 def _kind(value: object) -> str:

@@ -37,17 +37,19 @@ class NodeSeen:
 def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     """Every character device under the sandbox's /dev that is an NVIDIA GPU (195:0-253).
 
-    All of /dev is searched two levels deep (``/dev/dri/*``, ``/dev/nvidia-caps/*``), not
-    only ``/dev/nvidia*``: a node's identity is its number. ``find -type c`` is not used: it
-    trusts the directory entry's type, and a device bind-mounted over a placeholder file (as
-    bubblewrap does) is listed as a regular file.
+    All of /dev is searched, dotfiles and subdirectories included, not only /dev/nvidia*:
+    a node's identity is its number. The type comes from ``stat``, not ``find -type c``,
+    which trusts the directory entry: a device bind-mounted over a placeholder file (as
+    bubblewrap does) is listed there as a regular file.
     """
     __tracebackhide__ = True
-    script = 'for f in /dev/* /dev/*/*; do [ -c "$f" ] && stat -c "%n %t %T" "$f"; done; true'
+    script = "find /dev ! -type d -exec stat -c '%F|%t|%T|%n' {} + 2>/dev/null; true"
     result = sandbox.exec(["sh", "-c", script]).check()
     nodes = []
     for line in result.stdout.splitlines():
-        path, major, minor = line.rsplit(" ", 2)
+        kind, major, minor, path = line.split("|", 3)
+        if kind != "character special file":
+            continue
         seen = NodeSeen(path, int(major, 16), int(minor, 16))
         if seen.major == NVIDIA_MAJOR and seen.minor not in _NVIDIA_CONTROL_MINORS:
             nodes.append(seen)

@@ -25,7 +25,7 @@ from drivers.errors import (
 )
 from drivers.gpus import GpuDevice
 from drivers.host import GpuHost
-from drivers.ownership import Holder, Lease, LeaseOwner, LeaseRegistry, _alive
+from drivers.ownership import Holder, Lease, LeaseOwner, LeaseRegistry
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 
@@ -200,18 +200,14 @@ class _UnlockedRegistry(LeaseRegistry):
     """Read-modify-write with no lock at all, and a pause that widens the race."""
 
     @contextlib.contextmanager
-    def _unlocked(self) -> Iterator[list[Lease]]:
-        fd = self._fd()
-        stored = self._load(fd)
-        leases = [lease for lease in stored if _alive(lease.holder)]
-        time.sleep(0.005)
-        yield leases
-        if leases != stored:
-            data = self._encode(leases)
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
+    def _exclusive(self) -> Iterator[int]:
+        yield self._fd()
 
-    _locked = _unlocked
+    @staticmethod
+    def _load(fd: int) -> list[Lease]:
+        leases = LeaseRegistry._load(fd)
+        time.sleep(0.005)
+        return leases
 
 
 class _ThreadLockedRegistry(_UnlockedRegistry):
@@ -220,11 +216,9 @@ class _ThreadLockedRegistry(_UnlockedRegistry):
     _lock = threading.Lock()
 
     @contextlib.contextmanager
-    def _thread_locked(self) -> Iterator[list[Lease]]:
-        with self._lock, self._unlocked() as leases:
-            yield leases
-
-    _locked = _thread_locked
+    def _exclusive(self) -> Iterator[int]:
+        with self._lock:
+            yield self._fd()
 
 
 class NoLocking(BrokenDriver):

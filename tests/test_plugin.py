@@ -50,16 +50,18 @@ def test_explicit_driver_that_cannot_run_fails_the_run(
     assert result.parseoutcomes().get("passed", 0) == 0
 
 
-def test_default_driver_that_cannot_run_is_skipped_with_the_reason(
+def test_default_driver_that_cannot_run_is_skipped_and_the_run_fails(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     # No --sim-root and no GPU on this machine: the reference driver finds nothing to hand out.
     result = run(pytester, f"--gpu-state-dir={tmp_path}")
     outcomes = result.parseoutcomes()
-    assert result.ret == pytest.ExitCode.OK
     assert outcomes.get("skipped", 0) > 0
     assert outcomes.get("passed", 0) == 0
     result.stdout.fnmatch_lines(["*SKIPPED*reference: needed NVIDIA GPUs (found none*"])
+    # ...and a run in which no driver could run checked nothing: it does not pass.
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["FAIL: no driver could run here*"])
 
 
 def test_report_header_says_the_gpus_are_simulated(

@@ -720,7 +720,8 @@ def test_parsed_spec_keeps_what_was_given() -> None:
     assert spec.image == "busybox:1.36"
     assert dict(spec.env) == {"A": "1"}
     assert spec.gpu == GpuRequest(2)
-    assert dict(spec.driver_config["reference"]) == {"gpu_device_ids": ["0", "1"]}
+    # Lists become tuples: the parsed spec is read-only all the way down.
+    assert dict(spec.driver_config["reference"]) == {"gpu_device_ids": ("0", "1")}
 
 
 def test_parse_keeps_the_raw_count_for_the_validator() -> None:
@@ -846,7 +847,7 @@ def test_driver_config_json_parses_the_envelope() -> None:
         json.dumps({"reference": {"gpu_device_ids": ["0"]}, "docker": {}})
     )
     assert {name: dict(block) for name, block in config.items()} == {
-        "reference": {"gpu_device_ids": ["0"]},
+        "reference": {"gpu_device_ids": ("0",)},
         "docker": {},
     }
     with pytest.raises(TypeError):

@@ -1,0 +1,95 @@
+"""The reference driver's own guarantees, beyond what the catalogue asks of every driver."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from drivers import simgpu
+from drivers.errors import SandboxExecError, SandboxStartError
+from drivers.gpus import DeviceNode
+from drivers.host import GpuHost, HostConfig
+from drivers.reference import ReferenceDriver
+from drivers.spec import SandboxSpec
+
+SESSION = "reference-self-test"
+
+
+@pytest.fixture
+def reference(sim_host: simgpu.SimulatedHost) -> Iterator[ReferenceDriver]:
+    driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=sim_host.root)), SESSION)
+    if not driver.probe().ok:
+        pytest.skip(driver.probe().reason)
+    yield driver
+    driver.reap(SESSION)
+
+
+def test_commands_run_without_capabilities(reference: ReferenceDriver) -> None:
+    with reference.create(SandboxSpec.with_gpus()) as sandbox:
+        status = sandbox.exec(["cat", "/proc/self/status"]).check().stdout
+        assert "CapEff:\t0000000000000000" in status
+        # Root in the sandbox's user namespace could otherwise re-bind another GPU's node.
+        remount = sandbox.exec(["mount", "-t", "tmpfs", "none", "/tmp"])
+        assert remount.returncode != 0
+
+
+def test_the_spec_environment_reaches_the_command_only(reference: ReferenceDriver) -> None:
+    spec = dataclasses.replace(SandboxSpec(), env={"FOO": "bar", "PATH": "/nonexistent"})
+    with reference.create(spec) as sandbox:
+        result = sandbox.exec(["/usr/bin/printenv", "FOO", "PATH"]).check()
+        assert result.stdout.split() == ["bar", "/nonexistent"]
+
+
+def test_exec_after_close_or_kill_is_an_error(reference: ReferenceDriver) -> None:
+    sandbox = reference.create(SandboxSpec())
+    sandbox.close()
+    sandbox.close()
+    with pytest.raises(SandboxExecError, match="not running"):
+        sandbox.exec(["true"])
+    killed = reference.create(SandboxSpec())
+    killed.kill()
+    killed._process.wait()
+    with pytest.raises(SandboxExecError, match="not running"):
+        killed.exec(["true"])
+    killed.close()
+
+
+def test_a_failed_start_leaves_nothing(reference: ReferenceDriver) -> None:
+    missing = DeviceNode("/dev/nvidiactl", 195, 255, "/nonexistent/nvidiactl")
+    broken = ReferenceDriver(dataclasses.replace(reference.host, control_nodes=(missing,)), SESSION)
+    with pytest.raises(SandboxStartError, match="nonexistent"):
+        broken.create(SandboxSpec.with_gpus())
+    assert reference.host.leases.leases() == []
+    assert reference.sandboxes(SESSION) == []
+
+
+def test_a_sandbox_outlives_the_thread_that_created_it(reference: ReferenceDriver) -> None:
+    created = []
+    thread = threading.Thread(target=lambda: created.append(reference.create(SandboxSpec())))
+    thread.start()
+    thread.join()
+    with created[0] as sandbox:
+        assert sandbox.exec(["true"]).returncode == 0
+
+
+def test_host_state_is_hidden_from_the_sandbox(
+    reference: ReferenceDriver, sim_host: simgpu.SimulatedHost
+) -> None:
+    state = Path("/var/tmp") / f"gpu-state-{id(reference)}"
+    host = GpuHost.open(HostConfig(sim_root=sim_host.root, state_dir=state))
+    driver = ReferenceDriver(host, SESSION)
+    try:
+        with driver.create(SandboxSpec.with_gpus()) as sandbox:
+            assert (state / "leases.json").exists()
+            listing = sandbox.exec(["ls", "-A", str(state)]).check().stdout
+            assert listing == "", f"the lease registry is visible inside: {listing!r}"
+            share = sandbox.exec(["ls", simgpu.SANDBOX_SHARE]).check().stdout.split()
+            assert sorted(share) == ["bin", "inventory.tsv"]
+    finally:
+        for leftover in state.iterdir():
+            leftover.unlink()
+        state.rmdir()
