@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -484,3 +485,31 @@ def discover_nvidia(
         f"NVIDIA GPUs at {', '.join(waiting)} are not passed through, but no discovery "
         f"source lists them: {'; '.join(str(failure) for failure in failures)}"
     )
+
+
+# --- python -m drivers.discovery -----------------------------------------------------------
+
+
+def main() -> int:
+    """Print what each discovery source finds on this host, for driver authors."""
+    out = sys.stdout
+    for label, source in (("NVML", from_nvml), ("nvidia-smi", from_nvidia_smi)):
+        try:
+            found = source()
+        except DiscoveryError as exc:
+            out.write(f"{label}: {exc}\n")
+            continue
+        out.write(f"{label}: {len(found)} GPU(s)\n")
+        for gpu in found:
+            nodes = ", ".join(f"{n.path} {n.major}:{n.minor}" for n in gpu.nodes)
+            out.write(f"  {gpu.index}: {gpu.name} {gpu.uuid} {gpu.pci_bus_id} [{nodes}]\n")
+    pci = pci_gpus(from_sysfs(), dri_nodes_by_pci())
+    out.write(f"PCI (sysfs, any vendor; VGA, 3D and display controllers): {len(pci)} GPU(s)\n")
+    for gpu in pci:
+        nodes = ", ".join(f"{n.path} {n.major}:{n.minor}" for n in gpu.nodes) or "no DRI nodes"
+        out.write(f"  {gpu.pci_bus_id} {gpu.vendor}: {gpu.name} [{nodes}]\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -670,3 +670,19 @@ def test_discover_nvidia_ignores_failing_sources_without_nvidia_gpus(
     make_sysfs_device(sysfs, "0000:00:02.0", "0x030000", "0x8086", "0x4680", "i915")
 
     assert discover_nvidia(nvidia_smi=str(tmp_path / "nvidia-smi"), sysfs_root=sysfs) == ()
+
+
+def test_main_reports_every_source(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mi210 = discovery.PciDevice(
+        "0000:03:00.0", "0380", "Display controller", "1002", "AMD", "740f", "Aldebaran/MI200"
+    )
+    card = DeviceNode("/dev/dri/card1", 226, 1)
+    monkeypatch.setattr(discovery, "from_sysfs", lambda: [mi210])
+    monkeypatch.setattr(discovery, "dri_nodes_by_pci", lambda: {"0000:03:00.0": (card,)})
+    monkeypatch.setattr(discovery, "from_nvidia_smi", lambda: ())
+    assert discovery.main() == 0
+    out = capsys.readouterr().out
+    assert "nvidia-smi: 0 GPU(s)" in out
+    assert "0000:03:00.0 amd: Aldebaran/MI200 [/dev/dri/card1 226:1]" in out
