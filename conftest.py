@@ -326,7 +326,9 @@ def _nothing_ran(reports: list[dict[str, str]]) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     # A run in which every driver was skipped checked nothing: it must not pass.
-    if not hasattr(session.config, "workerinput") and _nothing_ran(_REPORTS):
+    passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    worker = hasattr(session.config, "workerinput")
+    if not worker and session.exitstatus in passing and _nothing_ran(_REPORTS):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -33,6 +33,8 @@ from drivers.reference import ReferenceDriver
 from drivers.spec import SandboxSpec
 
 ROOT = Path(__file__).parent.parent
+MARKER_HOLD_S = 0.0005
+"""How long a checking worker holds a GPU's marker: long enough for overlaps to show."""
 
 
 def _timed(action: Callable[[], object]) -> float:
@@ -105,6 +107,7 @@ def _contend(directory: str, seconds: float, check: bool, out: multiprocessing.Q
             except FileExistsError:
                 double += 1
             else:
+                time.sleep(MARKER_HOLD_S)
                 marker.unlink()
         registry.release(sandbox_id)
         grants += 1

@@ -35,6 +35,8 @@ class BadRequest:
     error: type[DriverError] | tuple[type[DriverError], ...]
     value: Callable[[Driver], str]
     """What the error message must contain: the offending value."""
+    field: str
+    """The field the error must name in ``.field``; ``{driver}`` stands for the driver."""
     needs_exact_ids: bool = False
     needs_two_per_sandbox: bool = False
     """The request names two GPUs: below that per-sandbox maximum, capability comes first."""
@@ -64,11 +66,13 @@ CONFIG_ERRORS = {
         lambda d: {"resource_requirements": _gpu(), "driver_config": "podman"},
         InvalidDriverConfig,
         lambda d: "'podman'",
+        field="driver_config",
     ),
     "block-not-object": BadRequest(
         lambda d: {"resource_requirements": _gpu(), "driver_config": {d.name: ["x"]}},
         InvalidDriverConfig,
         lambda d: "['x']",
+        field="driver_config.{driver}",
     ),
     "unknown-key": BadRequest(
         lambda d: {
@@ -77,15 +81,32 @@ CONFIG_ERRORS = {
         },
         InvalidDriverConfig,
         lambda d: "gpu_device_idz",
+        field="driver_config.{driver}.gpu_device_idz",
     ),
     "ids-not-a-list": BadRequest(
         lambda d: _ids(d, _id(d)),  # type: ignore[arg-type]
         InvalidDriverConfig,
         lambda d: _id(d),
+        field="driver_config.{driver}.gpu_device_ids",
     ),
-    "empty-list": BadRequest(lambda d: _ids(d, []), InvalidDriverConfig, lambda d: "[]"),
-    "blank-entry": BadRequest(lambda d: _ids(d, ["  "]), InvalidDriverConfig, lambda d: "'  '"),
-    "non-string-entry": BadRequest(lambda d: _ids(d, [7]), InvalidDriverConfig, lambda d: "got 7"),
+    "empty-list": BadRequest(
+        lambda d: _ids(d, []),
+        InvalidDriverConfig,
+        lambda d: "[]",
+        field="driver_config.{driver}.gpu_device_ids",
+    ),
+    "blank-entry": BadRequest(
+        lambda d: _ids(d, ["  "]),
+        InvalidDriverConfig,
+        lambda d: "'  '",
+        field="driver_config.{driver}.gpu_device_ids",
+    ),
+    "non-string-entry": BadRequest(
+        lambda d: _ids(d, [7]),
+        InvalidDriverConfig,
+        lambda d: "got 7",
+        field="driver_config.{driver}.gpu_device_ids",
+    ),
     "block-for-another-driver-only": BadRequest(
         lambda d: {
             "resource_requirements": _gpu(),
@@ -93,29 +114,48 @@ CONFIG_ERRORS = {
         },
         InvalidDriverConfig,
         _other_driver,
+        field="driver_config",
     ),
 }
 
+COUNT = "resource_requirements.gpu.count"
+
 COUNT_ERRORS = {
     "zero": BadRequest(
-        lambda d: {"resource_requirements": _gpu(0)}, InvalidGpuCount, lambda d: "got 0"
+        lambda d: {"resource_requirements": _gpu(0)},
+        InvalidGpuCount,
+        lambda d: "got 0",
+        field=COUNT,
     ),
     "negative": BadRequest(
-        lambda d: {"resource_requirements": _gpu(-1)}, InvalidGpuCount, lambda d: "got -1"
+        lambda d: {"resource_requirements": _gpu(-1)},
+        InvalidGpuCount,
+        lambda d: "got -1",
+        field=COUNT,
     ),
     "fraction": BadRequest(
-        lambda d: {"resource_requirements": _gpu(2.5)}, InvalidGpuCount, lambda d: "got 2.5"
+        lambda d: {"resource_requirements": _gpu(2.5)},
+        InvalidGpuCount,
+        lambda d: "got 2.5",
+        field=COUNT,
     ),
     "word": BadRequest(
-        lambda d: {"resource_requirements": _gpu("two")}, InvalidGpuCount, lambda d: "got 'two'"
+        lambda d: {"resource_requirements": _gpu("two")},
+        InvalidGpuCount,
+        lambda d: "got 'two'",
+        field=COUNT,
     ),
     "boolean": BadRequest(
-        lambda d: {"resource_requirements": _gpu(True)}, InvalidGpuCount, lambda d: "got True"
+        lambda d: {"resource_requirements": _gpu(True)},
+        InvalidGpuCount,
+        lambda d: "got True",
+        field=COUNT,
     ),
     "huge": BadRequest(
         lambda d: {"resource_requirements": _gpu(10**6)},
         (UnsupportedGpuRequest, GpusExhausted),
         lambda d: "1000000",
+        field=COUNT,
     ),
 }
 
@@ -126,6 +166,7 @@ ID_ERRORS = {
         lambda d: f"'{_id(d)}'",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
     "duplicate-by-alias": BadRequest(
         lambda d: _ids(d, [_id(d, form=0), _id(d, form=-1)], count=2),
@@ -133,6 +174,7 @@ ID_ERRORS = {
         lambda d: f"'{_id(d, form=-1)}'",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
     "count-mismatch": BadRequest(
         lambda d: _ids(d, [_id(d)], count=2),
@@ -140,24 +182,28 @@ ID_ERRORS = {
         lambda d: "gpu count (2) must match",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
     "ids-without-gpu-request": BadRequest(
         lambda d: _ids(d, [_id(d)], gpu=False),
         GpuDevicesWithoutRequest,
         lambda d: _id(d),
         needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
     "unknown-id": BadRequest(
         lambda d: _ids(d, ["no-such-gpu-0"]),
         UnknownGpuDevice,
         lambda d: "no-such-gpu-0",
         needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
     "index-out-of-range": BadRequest(
         lambda d: _ids(d, [str(len(d.inventory()) + 10)]),
         UnknownGpuDevice,
         lambda d: str(len(d.inventory()) + 10),
         needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
     ),
 }
 
@@ -177,7 +223,8 @@ def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest)
         value = case.value(driver)
         assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
     if isinstance(raised.value, RequestError):
-        assert raised.value.field, f"{type(raised.value).__name__} names no field"
+        field = case.field.format(driver=driver.name)
+        assert raised.value.field == field, f"the error names {raised.value.field!r}, not {field!r}"
     assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
     assert_all_gpus_grantable(driver, after=f"the rejected request {request}")
 

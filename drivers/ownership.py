@@ -33,6 +33,10 @@ EXCLUSIVE = "exclusive"
 _FORMAT_VERSION = 1
 
 
+class LeaseFileCorrupt(RuntimeError):
+    """The lease file holds something that is not a lease list (a write cut short)."""
+
+
 @dataclass(frozen=True)
 class Holder:
     """What keeps a lease alive: ``kind`` picks the liveness check, ``ref`` identifies it."""
@@ -86,8 +90,10 @@ def _process_alive(holder: Holder) -> bool:
         return False
     try:
         fields = _stat_fields(pid_number)
-    except OSError:  # gone (ENOENT), or exiting as we read (ESRCH)
+    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting as we read
         return False
+    except OSError:  # hidden from us (/proc mounted with hidepid): not proof it is gone
+        return True
     # A zombie has exited: its parent just has not reaped it yet.
     return fields[19] == start and fields[0] not in ("Z", "X")
 
@@ -226,8 +232,15 @@ class LeaseRegistry:
         if size == 0:
             return []
         # raw_decode: a writer killed between pwrite and ftruncate leaves stale bytes behind.
-        raw, _ = json.JSONDecoder().raw_decode(os.pread(fd, size, 0).decode())
-        return [_lease_from_dict(item) for item in raw["leases"]]
+        text = os.pread(fd, size, 0).decode(errors="replace")
+        try:
+            raw, _ = json.JSONDecoder().raw_decode(text)
+            return [_lease_from_dict(item) for item in raw["leases"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LeaseFileCorrupt(
+                f"the GPU lease file (fd {fd}) cannot be read ({exc}); no GPU can be granted "
+                "safely until it is fixed: stop every sandbox on this host, then delete it"
+            ) from exc
 
     @staticmethod
     def _store(fd: int, leases: list[Lease]) -> None:

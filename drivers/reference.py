@@ -1,7 +1,8 @@
 """The reference driver: a bubblewrap sandbox holding exactly the GPUs it was given.
 
-Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.4 or newer), ``nsenter``
-(util-linux), and NVIDIA GPUs, real or simulated (``drivers.simgpu``).
+Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.8 or newer), ``nsenter``,
+``unshare`` and ``setpriv`` (util-linux), and NVIDIA GPUs, real or simulated
+(``drivers.simgpu``).
 
 Each sandbox is a read-only view of the host root with a private ``/dev`` holding only
 its GPUs' ``/dev/nvidia<minor>`` nodes and the control nodes, private ``/tmp`` and
@@ -38,15 +39,18 @@ from drivers.wait import wait_until
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
 CLOSE_TIMEOUT_S = 5.0
+KILL_TIMEOUT_S = 5.0
+"""After SIGKILL a process is gone in milliseconds; seconds mean something holds its pipes."""
 REAP_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
 """The environment of the host-side bwrap and nsenter: fixed, never the user's."""
-_TOOLS = ("bwrap", "nsenter", "setpriv", "env")
+_TOOLS = ("bwrap", "nsenter", "unshare", "setpriv", "env")
 _HIDDEN_BY_TMPFS = (Path("/tmp"), Path("/run"))
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+_SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 
 _spawners: dict[int, ThreadPoolExecutor] = {}
 _spawners_lock = threading.Lock()
@@ -75,7 +79,15 @@ def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, **kwargs)
 
-    return spawner.submit(start).result()
+    future = spawner.submit(start)
+    try:
+        return future.result()
+    except BaseException:
+        # Interrupted while the spawner may still start the sandbox: let it finish, then
+        # stop what it started, so that no sandbox runs without a lease.
+        with contextlib.suppress(BaseException):
+            _stop_process(future.result())
+        raise
 
 
 class ReferenceDriver(Driver):
@@ -182,6 +194,8 @@ class ReferenceDriver(Driver):
             "--tmpfs", "/tmp",
             "--tmpfs", "/run",
             "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
             "--die-with-parent",
             "--new-session",
             "--chdir", "/tmp",
@@ -191,8 +205,9 @@ class ReferenceDriver(Driver):
         # The host's own GPU state (a simulated host's nodes, the lease file, which names every
         # sandbox's GPUs) stays out of sight: under /tmp or /run it already is.
         sim = self.host.simulated
+        self.host.leases.directory.mkdir(parents=True, exist_ok=True)
         for state in (sim.root if sim else None, self.host.leases.directory):
-            if state is not None and state.exists():
+            if state is not None:
                 resolved = state.resolve()
                 if not any(resolved.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
                     argv += ["--tmpfs", str(resolved)]
@@ -202,12 +217,8 @@ class ReferenceDriver(Driver):
         if gpus:
             for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:
                 argv += ["--dev-bind", node.source, node.path]
-        if sim is None and _PROC_NVIDIA_GPUS.is_dir():
-            argv += ["--tmpfs", str(_PROC_NVIDIA_GPUS)]
-            for gpu in gpus:
-                entry = _PROC_NVIDIA_GPUS / gpu.pci_bus_id
-                if entry.exists():
-                    argv += ["--ro-bind", str(entry), str(entry)]
+        if sim is None:
+            argv += _real_gpu_masks(self.host.gpus, gpus)
         return argv
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
@@ -258,6 +269,7 @@ class ReferenceSandbox(Sandbox):
             os.close(info_read)
             raise
         finally:
+            # _spawn returns (or raises) only once the spawner is done with the fd.
             os.close(info_write)
         try:
             with os.fdopen(info_read, "rb") as info:
@@ -271,20 +283,30 @@ class ReferenceSandbox(Sandbox):
                         f"(bwrap exit {process.returncode}): "
                         f"{stderr.decode(errors='replace').strip()}"
                     )
-                child_pid = int(json.loads(info.read())["child-pid"])
-                return process, child_pid, process_start_time(child_pid)
+                try:
+                    child_pid = int(json.loads(info.read())["child-pid"])
+                    return process, child_pid, process_start_time(child_pid)
+                except (OSError, ValueError, KeyError) as exc:
+                    raise SandboxStartError(
+                        f"sandbox {self.id} died as it started: {type(exc).__name__}: {exc}"
+                    ) from exc
         except BaseException:
             _stop_process(process)
             raise
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        if not argv or "=" in argv[0]:
+            raise SandboxExecError(f"argv must start with a program to run, got {list(argv)!r}")
         self._check_running(argv)
-        # Inside, the command gets the sandbox's environment and no capabilities: root in the
-        # sandbox's user namespace could otherwise unmount and re-bind device nodes and so
-        # reach GPUs it was not given. Outside, nsenter runs with the host's fixed environment,
-        # never the user's (an LD_PRELOAD there would run as the host user).
+        # Each command gets a pid namespace of its own (unshare --kill-child), so that a
+        # timeout kills everything it started, even what escaped its process group. It runs
+        # with the sandbox's environment and no capabilities: root in the sandbox's user
+        # namespace could otherwise unmount and re-bind device nodes and so reach GPUs it was
+        # not given. nsenter itself runs with the host's fixed environment, never the user's
+        # (an LD_PRELOAD there would run in the host's namespaces as the host user).
         command = [
             tool("nsenter"), f"--target={self._child_pid}", "--all", "--root", "--wd",
+            "unshare", "--pid", "--fork", "--kill-child",
             "setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
             "env", "-i", *(f"{key}={value}" for key, value in self._env.items()), *argv,
         ]  # fmt: skip
@@ -303,13 +325,17 @@ class ReferenceSandbox(Sandbox):
             ) from exc
         try:
             stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # nsenter forked the command inside the sandbox's pid namespace; it shares the
-            # process group started here, so the group kill reaches it.
+        except BaseException as exc:
+            # The group holds nsenter and unshare; unshare's death kills the command's pid
+            # namespace, and with it everything the command started.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise ExecTimeout(argv, timeout) from None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.communicate(timeout=KILL_TIMEOUT_S)
+            _stop_process(process)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise ExecTimeout(argv, timeout) from None
+            raise
         if process.returncode != 0:
             self._check_running(argv)  # a sandbox that died meanwhile is an error, not a result
         return ExecResult(
@@ -339,15 +365,36 @@ class ReferenceSandbox(Sandbox):
             self._driver.release(self.id)
 
     def _stop(self, graceful: bool = False) -> None:
-        if graceful:
-            assert self._process.stdin is not None
-            self._process.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(self._driver.close_timeout_s)
-        _stop_process(self._process)
+        try:
+            if graceful:
+                assert self._process.stdin is not None
+                self._process.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._process.wait(self._driver.close_timeout_s)
+        finally:
+            _stop_process(self._process)
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)
+
+
+def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -> list[str]:
+    """Hide every GPU but ``given`` from /proc/driver/nvidia and from PCI sysfs.
+
+    Sysfs matters beyond information: a GPU's ``resource*`` files map its registers.
+    """
+    argv = []
+    if _PROC_NVIDIA_GPUS.is_dir():
+        argv += ["--tmpfs", str(_PROC_NVIDIA_GPUS)]
+        for gpu in given:
+            entry = _PROC_NVIDIA_GPUS / gpu.pci_bus_id
+            if entry.exists():
+                argv += ["--ro-bind", str(entry), str(entry)]
+    for gpu in all_gpus:
+        device = _SYSFS_PCI_DEVICES / gpu.pci_bus_id
+        if gpu not in given and device.exists():
+            argv += ["--tmpfs", str(device.resolve())]
+    return argv
 
 
 def tool(name: str) -> str:

@@ -115,9 +115,11 @@ def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
         raise InvalidGpuRequest("image", image, f"image must be a non-empty string, got {image!r}")
     env = data.get("env", {})
     if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
     ):
-        raise InvalidGpuRequest("env", env, f"env must map strings to strings, got {env!r}")
+        raise InvalidGpuRequest(
+            "env", env, f"env must map variable names (no '=') to strings, got {env!r}"
+        )
 
     return SandboxSpec(
         image=image,
@@ -265,7 +267,7 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
     if len(present) > 1:
         raise InvalidDriverConfig(
             prefix,
-            dict(block),
+            _thawed(block),
             f"{prefix} gives both {' and '.join(present)}; they are aliases, use one",
         )
     if not present:
@@ -277,14 +279,14 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
         if others:
             raise InvalidDriverConfig(
                 "driver_config",
-                {name: dict(block) for name, block in spec.driver_config.items()},
+                _thawed(spec.driver_config),
                 f"driver_config names exact GPUs only for {', '.join(others)}, not for the "
                 f"active driver {driver!r}; add {prefix}.{DEVICE_IDS_KEY} or drop the others",
             )
         return f"{prefix}.{DEVICE_IDS_KEY}", None
     ids_field = f"{prefix}.{present[0]}"
-    # Parsed specs hold tuples (read-only); errors show the list the user wrote.
-    value = list(block[present[0]]) if isinstance(block[present[0]], tuple) else block[present[0]]
+    # Parsed specs hold read-only copies; errors show the value as the user wrote it.
+    value = _thawed(block[present[0]])
     if not isinstance(value, list):
         raise InvalidDriverConfig(
             ids_field,
@@ -335,6 +337,15 @@ def _deep_freeze(value: Any) -> Any:
         return MappingProxyType({str(k): _deep_freeze(v) for k, v in value.items()})
     if isinstance(value, list | tuple):
         return tuple(_deep_freeze(item) for item in value)
+    return value
+
+
+def _thawed(value: Any) -> Any:
+    """The plain dicts and lists a frozen value was made from, for error messages."""
+    if isinstance(value, Mapping):
+        return {k: _thawed(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thawed(item) for item in value]
     return value
 
 

@@ -45,6 +45,10 @@ def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     __tracebackhide__ = True
     script = "find /dev ! -type d -exec stat -c '%F|%t|%T|%n' {} + 2>/dev/null; true"
     result = sandbox.exec(["sh", "-c", script]).check()
+    # /dev/null is in every sandbox: not seeing it means the search itself failed.
+    assert "character special file|1|3|/dev/null" in result.stdout.splitlines(), (
+        f"cannot list the sandbox's device nodes (find and stat needed): {result}"
+    )
     nodes = []
     for line in result.stdout.splitlines():
         kind, major, minor, path = line.split("|", 3)

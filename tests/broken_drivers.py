@@ -147,8 +147,8 @@ class DuplicatesAccepted(BrokenDriver):
         try:
             return super().validate(spec)
         except DuplicateGpuDevice as exc:
-            ids = list(dict.fromkeys(exc.value if isinstance(exc.value, list) else []))
-            return GpuPlan(count=max(1, len(ids)), device_ids=tuple(ids), field=exc.field)
+            ids = tuple(dict.fromkeys(spec.driver_config[self.name]["gpu_device_ids"]))
+            return GpuPlan(count=len(ids), device_ids=ids, field=exc.field)
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         try:

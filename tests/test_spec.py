@@ -878,3 +878,35 @@ def test_driver_config_json_rejects_bad_input(text: str, field: str, shown: str)
     assert type(raised.value) is InvalidDriverConfig
     assert raised.value.field == field
     assert shown in str(raised.value)
+
+
+def test_too_many_ids_is_a_capability_error_before_consistency() -> None:
+    two = DriverCapabilities(max_gpus_per_sandbox=2, exact_ids=True)
+    for ids, gpu_request in (
+        (["0", "0", "1"], gpu()),
+        (["0", "1", "2"], None),
+        (["0", "1", "2"], gpu(2)),
+    ):
+        data: dict[str, object] = {"driver_config": {"reference": {"gpu_device_ids": ids}}}
+        if gpu_request is not None:
+            data["resource_requirements"] = gpu_request
+        with pytest.raises(UnsupportedGpuRequest, match="names 3 GPUs"):
+            validate(data, "reference", two)
+
+
+@pytest.mark.parametrize("env", [{"": "x"}, {"A=B": "x"}, {"A": 1}])
+def test_env_names_must_be_variable_names(env: dict[str, object]) -> None:
+    with pytest.raises(InvalidGpuRequest) as raised:
+        parse_spec({"env": env})
+    assert raised.value.field == "env"
+
+
+def test_errors_show_values_as_written_not_frozen() -> None:
+    data = {
+        "resource_requirements": gpu(),
+        "driver_config": {"reference": {"gpu_device_ids": {"a": "0"}}},
+    }
+    with pytest.raises(InvalidDriverConfig) as raised:
+        validate(data, "reference", EXACT)
+    assert "mappingproxy" not in str(raised.value)
+    assert raised.value.value == {"a": "0"}
