@@ -8,6 +8,7 @@ a release gate must never go green by skipping.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,11 @@ class Settings:
     session_id: str
     image: str | None
     reclaim_timeout_s: float
+
+    @functools.cached_property
+    def host(self) -> GpuHost:
+        """The GPU host, discovered once per session (NVML is not free on a real host)."""
+        return GpuHost.open(self.host_config)
 
 
 settings_key = pytest.StashKey[Settings]()
@@ -118,16 +124,15 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     if session is None:
         return None
     settings = _settings(config)
-    host = GpuHost.open(settings.host_config)
     for name, cls in settings.drivers.items():
-        removed = cls(host, session, settings.image).reap(session)
+        removed = cls(settings.host, session, settings.image).reap(session)
         print(f"{name}: removed {len(removed)} sandbox(es) of session {session}")  # noqa: T201
     return 0
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     settings = config.stash[settings_key]
-    host = GpuHost.open(settings.host_config)
+    host = settings.host
     lines = [
         f"gpu-sandbox session: {settings.session_id} (clean up after a crash: pytest --reap="
         f"{settings.session_id})",
@@ -176,7 +181,7 @@ def _applicability() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="session")
 def gpu_host(pytestconfig: pytest.Config) -> GpuHost:
-    return GpuHost.open(pytestconfig.stash[settings_key].host_config)
+    return pytestconfig.stash[settings_key].host
 
 
 @pytest.fixture(scope="session")
@@ -340,7 +345,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     drivers = [name for name in settings.drivers if any(e["driver"] == name for e in _REPORTS)]
     matrix = requirement_matrix(_REPORTS, list(_applicability()), drivers)
     terminalreporter.section("conformance by requirement")
-    host = GpuHost.open(settings.host_config)
+    host = settings.host
     terminalreporter.write_line(f"GPU host: {host.describe()}")
     if host.simulated:
         terminalreporter.write_line("These results used SIMULATED GPUs.")

@@ -15,7 +15,6 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,7 +43,7 @@ class HeldSandbox:
         argv = [
             sys.executable, "-m", "drivers.hold",
             f"--driver={name}", f"--session={driver.session_id}",
-            f"--spec={json.dumps(_spec_to_dict(spec))}", *host.as_args(),
+            f"--spec={json.dumps(spec.to_dict())}", *host.as_args(),
         ]  # fmt: skip
         if driver.image:
             argv.append(f"--image={driver.image}")
@@ -105,19 +104,6 @@ class HeldSandbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _spec_to_dict(spec: SandboxSpec) -> dict[str, Any]:
-    data: dict[str, Any] = {"env": dict(spec.env)}
-    if spec.image:
-        data["image"] = spec.image
-    if spec.gpu is not None:
-        data["resource_requirements"] = {
-            "gpu": {k: v for k, v in asdict(spec.gpu).items() if v is not None}
-        }
-    if spec.driver_config:
-        data["driver_config"] = {k: dict(v) for k, v in spec.driver_config.items()}
-    return data
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,18 @@ class SandboxSpec:
         config = {driver: {DEVICE_IDS_KEY: device_ids}} if driver and device_ids is not None else {}
         return cls(image=image, gpu=GpuRequest(count), driver_config=_freeze(config))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The user-facing shape that ``parse_spec`` reads back into an equal spec."""
+        data: dict[str, Any] = {"env": dict(self.env)}
+        if self.image is not None:
+            data["image"] = self.image
+        if self.gpu is not None:
+            gpu = {} if self.gpu.count is None else {"count": self.gpu.count}
+            data["resource_requirements"] = {"gpu": gpu}
+        if self.driver_config:
+            data["driver_config"] = _thawed(self.driver_config)
+        return data
+
 
 @dataclass(frozen=True)
 class DriverCapabilities:

@@ -15,6 +15,11 @@ from tests.broken_drivers import ALL, BrokenDriver
 ROOT = Path(__file__).parent.parent
 
 
+def golden_ids() -> set[str]:
+    text = (ROOT / "conformance" / "REQUIREMENTS.yaml").read_text()
+    return {str(entry["id"]) for entry in yaml.safe_load(text)["requirements"]}
+
+
 def run_catalogue(
     pytester: pytest.Pytester, tmp_path: Path, driver: str, gpus: int = 8
 ) -> dict[str, Any]:
@@ -40,12 +45,7 @@ def run_catalogue(
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:
-    required = {
-        r["id"]
-        for r in yaml.safe_load((ROOT / "conformance/REQUIREMENTS.yaml").read_text())[
-            "requirements"
-        ]
-    }
+    required = golden_ids()
     broken = {cls.BREAKS for cls in ALL}
     assert required - broken == set(), "requirements no planted driver breaks"
 
@@ -70,12 +70,7 @@ def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_pa
         req: cells for req, cells in result["matrix"].items() if cells.get("reference") != "passed"
     }
     assert not_passed == {}
-    required = {
-        r["id"]
-        for r in yaml.safe_load((ROOT / "conformance/REQUIREMENTS.yaml").read_text())[
-            "requirements"
-        ]
-    }
+    required = golden_ids()
     assert set(result["matrix"]) == required
 
 

@@ -910,3 +910,20 @@ def test_errors_show_values_as_written_not_frozen() -> None:
         validate(data, "reference", EXACT)
     assert "mappingproxy" not in str(raised.value)
     assert raised.value.value == {"a": "0"}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {},
+        {"image": "busybox", "env": {"A": "1"}, "resource_requirements": {"gpu": {}}},
+        {
+            "resource_requirements": {"gpu": {"count": 2}},
+            "driver_config": {"reference": {"gpu_device_ids": ["0", "GPU-x"]}, "vm": {}},
+        },
+    ],
+)
+def test_to_dict_round_trips(data: dict[str, Any]) -> None:
+    spec = parse_spec(data)
+    assert parse_spec(spec.to_dict()) == spec
+    assert parse_spec(json.dumps(spec.to_dict())) == spec
