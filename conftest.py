@@ -289,7 +289,9 @@ def _message(report: pytest.TestReport) -> str:
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2])
     if report.failed:
-        return str(report.longrepr).strip().splitlines()[-1][:300]
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = getattr(crash, "message", None) or str(report.longrepr).strip()
+        return str(message).splitlines()[0][:300]
     return ""
 
 

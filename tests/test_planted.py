@@ -61,6 +61,13 @@ def test_catalogue_fails_the_broken_driver(
         f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}, "
         f"but the catalogue says {outcomes.get(broken.BREAKS)}: {outcomes}"
     )
+    # Failed in the test's own assertions, not by crashing in set-up or tear-down.
+    caught = [
+        test
+        for test in result["tests"]
+        if test["requirement"] == broken.BREAKS and test["outcome"] == "failed"
+    ]
+    assert caught, f"{broken.BREAKS} only errored for {broken.__name__}: {result['tests']}"
 
 
 def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
