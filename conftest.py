@@ -172,6 +172,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
 
 
+@functools.cache
 def _applicability() -> dict[str, list[str]]:
     if not REQUIREMENTS_FILE.exists():
         return {}

@@ -120,8 +120,10 @@ class ReferenceDriver(Driver):
                 "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
                 "use --sim-root for a simulated GPU host)",
             )
+        # The very command line a sandbox gets, so that a bwrap lacking an option it uses
+        # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.
         trial = subprocess.run(
-            [tool("bwrap"), "--ro-bind", "/", "/", "--unshare-all", "--dev", "/dev", "true"],
+            [*self.bwrap_argv("probe", ()), "true"],
             capture_output=True,
             text=True,
             check=False,
@@ -130,7 +132,7 @@ class ReferenceDriver(Driver):
         if trial.returncode != 0:
             return Availability(
                 False,
-                f"needed bwrap to create namespaces (found: exit {trial.returncode}, "
+                f"needed bwrap 0.8+ able to start a sandbox (found: exit {trial.returncode}, "
                 f"{trial.stderr.strip()}; unprivileged user namespaces may be disabled)",
             )
         return Availability(True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from drivers import simgpu
 from drivers.errors import SandboxExecError, SandboxStartError
-from drivers.gpus import DeviceNode
+from drivers.gpus import DeviceNode, GpuDevice
 from drivers.host import GpuHost, HostConfig
 from drivers.reference import ReferenceDriver
 from drivers.spec import SandboxSpec
@@ -93,3 +93,13 @@ def test_host_state_is_hidden_from_the_sandbox(
         for leftover in state.iterdir():
             leftover.unlink()
         state.rmdir()
+
+
+def test_probe_tries_the_sandbox_command_line_itself(reference: ReferenceDriver) -> None:
+    class NeedsANewerBwrap(ReferenceDriver):
+        def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+            return [*super().bwrap_argv(sandbox_id, gpus), "--option-from-the-future"]
+
+    availability = NeedsANewerBwrap(reference.host, SESSION).probe()
+    assert not availability.ok
+    assert "--option-from-the-future" in availability.reason
