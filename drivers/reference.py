@@ -181,7 +181,10 @@ class ReferenceDriver(Driver):
 
         # SIGKILL is delivered asynchronously: wait until the processes are really gone.
         wait_until(
-            all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
+            all_gone,
+            timeout_s=REAP_TIMEOUT_S,
+            what=f"the sandboxes of session {session_id} to exit",
+            retry_on=(ProcessLookupError,),
         )
         released = self.host.leases.release_session(session_id)
         return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
