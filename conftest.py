@@ -17,15 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from conformance import requirements
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver, Sandbox
 from drivers.host import GpuHost, HostConfig
 from drivers.spec import SandboxSpec
-
-ROOT = Path(__file__).parent
-REQUIREMENTS_FILE = ROOT / "conformance" / "REQUIREMENTS.yaml"
 
 
 @dataclass
@@ -151,7 +148,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    applies = _applicability()
+    golden = requirements.load()
     for item in items:
         marker = item.get_closest_marker("requirement")
         params = getattr(item, "callspec", None)
@@ -162,22 +159,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.user_properties.append(("driver", driver))
             # Every GPU test shares the host's GPUs: under xdist they run in one worker.
             item.add_marker(pytest.mark.xdist_group("gpu-host"))
-            if (
-                marker
-                and driver in REGISTRY
-                and driver not in applies.get(marker.args[0], REGISTRY)
-            ):
+            if marker and golden.level(marker.args[0], driver) == "not applicable":
                 item.add_marker(
                     pytest.mark.skip(reason=f"{marker.args[0]} does not apply to {driver}")
                 )
-
-
-@functools.cache
-def _applicability() -> dict[str, list[str]]:
-    if not REQUIREMENTS_FILE.exists():
-        return {}
-    entries = yaml.safe_load(REQUIREMENTS_FILE.read_text())["requirements"]
-    return {entry["id"]: entry["drivers"] for entry in entries}
 
 
 @pytest.fixture(scope="session")
@@ -346,7 +331,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     settings = config.stash[settings_key]
     drivers = [name for name in settings.drivers if any(e["driver"] == name for e in _REPORTS)]
-    matrix = requirement_matrix(_REPORTS, list(_applicability()), drivers)
+    matrix = requirement_matrix(_REPORTS, list(requirements.load().by_id), drivers)
     terminalreporter.section("conformance by requirement")
     host = settings.host
     terminalreporter.write_line(f"GPU host: {host.describe()}")

@@ -42,6 +42,7 @@ CLOSE_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 5.0
 """After SIGKILL a process is gone in milliseconds; seconds mean something holds its pipes."""
 REAP_TIMEOUT_S = 10.0
+VERSION_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -136,6 +137,20 @@ class ReferenceDriver(Driver):
                 f"{trial.stderr.strip()}; unprivileged user namespaces may be disabled)",
             )
         return Availability(True)
+
+    def version(self) -> str:
+        try:
+            result = subprocess.run(
+                [tool("bwrap"), "--version"],
+                capture_output=True,
+                text=True,
+                check=False,
+                env=HOST_ENV,
+                timeout=VERSION_TIMEOUT_S,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return result.stdout.strip() if result.returncode == 0 else ""
 
     def inventory(self) -> tuple[GpuDevice, ...]:
         return self.host.gpus
