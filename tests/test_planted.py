@@ -22,11 +22,11 @@ def golden_ids() -> set[str]:
 
 def run_catalogue(
     pytester: pytest.Pytester, tmp_path: Path, driver: str, gpus: int = 8
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], pytest.RunResult]:
     """Run the whole conformance catalogue against ``driver`` on a fresh simulated host."""
     host = simgpu.setup(tmp_path / "sim", gpus)
     report = tmp_path / "conformance.json"
-    pytester.runpytest_subprocess(
+    run = pytester.runpytest_subprocess(
         str(ROOT / "conformance"),
         f"--rootdir={ROOT}",
         "-c",
@@ -41,7 +41,7 @@ def run_catalogue(
     )
     assert report.exists(), "the catalogue run wrote no report"
     result: dict[str, Any] = json.loads(report.read_text())
-    return result
+    return result, run
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:
@@ -55,7 +55,7 @@ def test_catalogue_fails_the_broken_driver(
     pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
 ) -> None:
     name = f"tests.broken_drivers:{broken.__name__}"
-    result = run_catalogue(pytester, tmp_path, name)
+    result, run = run_catalogue(pytester, tmp_path, name)
     outcomes = {req: cells.get(name) for req, cells in result["matrix"].items()}
     assert outcomes.get(broken.BREAKS) == "failed", (
         f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}, "
@@ -68,10 +68,13 @@ def test_catalogue_fails_the_broken_driver(
         if test["requirement"] == broken.BREAKS and test["outcome"] == "failed"
     ]
     assert caught, f"{broken.BREAKS} only errored for {broken.__name__}: {result['tests']}"
+    # The release gate: the verdict names the broken requirement, and the run fails.
+    run.stdout.fnmatch_lines([f"{name}: FAIL — *{broken.BREAKS}*"])
+    assert run.ret == pytest.ExitCode.TESTS_FAILED
 
 
 def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    result = run_catalogue(pytester, tmp_path, "reference")
+    result, run = run_catalogue(pytester, tmp_path, "reference")
     assert result["simulated"] is True
     not_passed = {
         req: cells for req, cells in result["matrix"].items() if cells.get("reference") != "passed"
@@ -79,6 +82,8 @@ def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_pa
     assert not_passed == {}
     required = golden_ids()
     assert set(result["matrix"]) == required
+    run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -86,8 +91,10 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
     """On 1 or 2 GPUs what needs more is skipped with the reason; nothing fails."""
-    result = run_catalogue(pytester, tmp_path, "reference", gpus)
+    result, run = run_catalogue(pytester, tmp_path, "reference", gpus)
     verdicts = {req: cells["reference"] for req, cells in result["matrix"].items()}
     assert set(verdicts.values()) <= {"passed", "partial", "skipped"}, verdicts
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]
     assert all("needs" in message for message in skips), skips
+    run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
