@@ -73,6 +73,9 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+	$(BIN)/check-jsonschema --builtin-schema vendor.dependabot .github/dependabot.yml
+	$(BIN)/zizmor --offline .
 
 test: venv host-packages test-packages lint
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS)
