@@ -38,6 +38,10 @@ from drivers.wait import wait_until
 
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
+START_ATTEMPTS = 3
+"""bwrap copies the host's mount tree for its read-only root and fails when a mount vanishes
+while it does (a container stopping on the host); the next try sees the new mount table."""
+_MOUNT_CHURN = "Unable to apply mount flags: remount"
 CLOSE_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 5.0
 """After SIGKILL a process is gone in milliseconds; seconds mean something holds its pipes."""
@@ -259,7 +263,7 @@ class ReferenceSandbox(Sandbox):
         self._env = driver.sandbox_env(env)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._process, self._child_pid, self._child_start = self._start(
+        self._process, self._child_pid, self._child_start = self._start_retrying(
             driver.bwrap_argv(sandbox_id, gpus)
         )
         try:
@@ -272,6 +276,15 @@ class ReferenceSandbox(Sandbox):
     def pid(self) -> int:
         """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
         return self._process.pid
+
+    def _start_retrying(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+        for _ in range(START_ATTEMPTS - 1):
+            try:
+                return self._start(argv)
+            except SandboxStartError as exc:
+                if _MOUNT_CHURN not in str(exc):
+                    raise
+        return self._start(argv)
 
     def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
         """Start bwrap; return it, the sandbox init's host pid and that pid's start time."""

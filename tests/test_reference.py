@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -14,7 +15,7 @@ from drivers import simgpu
 from drivers.errors import SandboxExecError, SandboxStartError
 from drivers.gpus import DeviceNode, GpuDevice
 from drivers.host import GpuHost, HostConfig
-from drivers.reference import ReferenceDriver
+from drivers.reference import ReferenceDriver, ReferenceSandbox
 from drivers.spec import SandboxSpec
 
 
@@ -114,3 +115,37 @@ def test_version_names_the_bwrap_it_runs_on(
     assert reference.version().startswith("bubblewrap ")
     monkeypatch.setattr("drivers.reference.tool", lambda name: "/nonexistent/bwrap")
     assert reference.version() == ""
+
+
+MOUNT_RACE = (
+    "bwrap: Can't bind mount /oldroot/ on /newroot/: Unable to apply mount flags: remount "
+    '"/newroot/var/lib/docker/overlay2/0123/merged": Invalid argument'
+)
+
+
+@pytest.mark.parametrize(
+    ("failures", "started"),
+    [([MOUNT_RACE, MOUNT_RACE], True), (["bwrap: No permissions to create new namespace"], False)],
+)
+def test_only_a_start_that_lost_a_race_with_host_mounts_is_tried_again(
+    reference: ReferenceDriver,
+    monkeypatch: pytest.MonkeyPatch,
+    failures: list[str],
+    started: bool,
+) -> None:
+    start = ReferenceSandbox._start
+    pending = list(failures)
+
+    def flaky(self: ReferenceSandbox, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+        if pending:
+            raise SandboxStartError(f"sandbox {self.id} did not start: {pending.pop(0)}")
+        return start(self, argv)
+
+    monkeypatch.setattr(ReferenceSandbox, "_start", flaky)
+    if started:
+        with reference.create(SandboxSpec.with_gpus()) as sandbox:
+            assert sandbox.exec(["true"]).returncode == 0
+    else:
+        with pytest.raises(SandboxStartError, match="No permissions"):
+            reference.create(SandboxSpec.with_gpus())
+    assert reference.host.leases.leases() == []
