@@ -88,6 +88,8 @@ class ContainerDriver(Driver):
     """The environment variable naming the engine's API endpoint, as its CLI reads it."""
     default_url: ClassVar[str]
     cli: ClassVar[str]
+    cli_url_flag: ClassVar[str]
+    """The CLI's flag naming the engine: ``--host`` for docker, ``--url`` for podman."""
 
     @property
     def url(self) -> str:
@@ -296,12 +298,16 @@ class ContainerDriver(Driver):
         """The engine's own words for a refused call."""
         return str(exc)
 
-    def oracle_argv(self, cdi_device: str, image: str, argv: Sequence[str]) -> list[str]:
-        """The engine's own CLI running ``argv`` with one CDI device, outside any driver."""
-        return [
-            self.cli, f"--url={self.url}" if self.cli == "podman" else f"--host={self.url}",
-            "run", "--rm", "--network=none", f"--device={cdi_device}", image, *argv,
-        ]  # fmt: skip
+    def cli_argv(self, *args: str) -> list[str]:
+        """A command line of the engine's own CLI, pointed at the engine this driver uses."""
+        return [self.cli, f"--{self.cli_url_flag}={self.url}", *args]
+
+    def oracle_argv(self, cdi_device: str, image: str | None, argv: Sequence[str]) -> list[str]:
+        """The engine's CLI running ``argv`` with one CDI device, outside any driver."""
+        image = image or self.image or DEFAULT_IMAGE
+        return self.cli_argv(
+            "run", "--rm", "--network=none", f"--device={cdi_device}", image, *argv
+        )
 
 
 class ContainerSandbox(Sandbox):

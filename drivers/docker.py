@@ -40,6 +40,7 @@ class DockerDriver(ContainerDriver):
     url_env = "DOCKER_HOST"
     default_url = "unix:///var/run/docker.sock"
     cli = "docker"
+    cli_url_flag = "host"
 
     @property
     def api(self) -> docker.APIClient:

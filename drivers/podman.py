@@ -40,6 +40,7 @@ class PodmanDriver(ContainerDriver):
     url_env = "CONTAINER_HOST"
     default_url = "unix:///run/podman/podman.sock"
     cli = "podman"
+    cli_url_flag = "url"
 
     @property
     def client(self) -> podman.PodmanClient:
