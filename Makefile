@@ -10,7 +10,10 @@ SIM_GPUS ?= 8
 REPORTS := reports
 PYTEST_ARGS ?=
 
-.PHONY: conformance test lint bench venv host-packages test-packages simulated-host clean
+ENGINES := scripts/engines.sh
+
+.PHONY: conformance test lint bench venv host-packages test-packages simulated-host engines \
+	engines-stop clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,13 +55,25 @@ host-packages:
 test-packages:
 	$(call install-missing,chromium+chromium-browser+google-chrome:chromium)
 
-# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made.
+# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made,
+# and its CDI spec registered for the container engines (in /var/run/cdi, a tmpfs).
 simulated-host: venv
 	@if nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "real NVIDIA GPUs found: no simulated host"; \
 	else \
-	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS); \
+	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS) \
+	    --cdi-dir /var/run/cdi; \
 	fi
+
+# The container engines of the docker and podman lanes: installed from Debian when missing
+# (root), started in the background unless they already answer. `make engines-stop` stops
+# what `make engines` started, by pid. `make conformance` never installs them.
+engines: host-packages
+	@$(ENGINES) install
+	@$(ENGINES) start >/dev/null
+
+engines-stop:
+	@$(ENGINES) stop
 
 # Prints the matrix and one verdict per driver; writes the reports (README: Reports).
 conformance: venv host-packages simulated-host
@@ -77,8 +92,13 @@ lint: venv
 	$(BIN)/check-jsonschema --builtin-schema vendor.dependabot .github/dependabot.yml
 	$(BIN)/zizmor --offline .
 
+# The engine self-tests need dockerd and podman: installed when missing, started when not
+# running, and those this target started are stopped at the end.
 test: venv host-packages test-packages lint
-	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS)
+	@$(ENGINES) install
+	@started="$$($(ENGINES) start)"; rc=0; \
+	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	[ -z "$$started" ] || $(ENGINES) stop $$started; exit $$rc
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)

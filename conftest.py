@@ -72,6 +72,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--image", default=None, help="Container image for the engine drivers.")
     group.addoption(
+        "--requirement",
+        default=None,
+        metavar="IDS",
+        help="Run only the tests of these requirements, comma-separated (e.g. GPU-DEFAULT-02).",
+    )
+    group.addoption(
         "--reclaim-timeout",
         type=float,
         default=30.0,
@@ -167,7 +173,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("driver", names, ids=names, indirect=True, scope="session")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _select_requirements(config, items)
     golden = requirements.load()
     for item in items:
         marker = item.get_closest_marker("requirement")
@@ -200,6 +208,23 @@ def _gpu_properties(host: GpuHost) -> dict[str, Any]:
         "gpu_count": len(host.gpus),
         "simulated": "true" if host.simulated else "false",
     }
+
+
+def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> None:
+    option = config.getoption("--requirement")
+    if not option:
+        return
+    wanted = {name.strip() for name in option.split(",") if name.strip()}
+    unknown = wanted - set(requirements.load().by_id)
+    if unknown:
+        raise pytest.UsageError(f"--requirement: unknown requirement(s) {sorted(unknown)}")
+
+    def selected(item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("requirement")
+        return marker is not None and marker.args[0] in wanted
+
+    config.hook.pytest_deselected(items=[item for item in items if not selected(item)])
+    items[:] = [item for item in items if selected(item)]
 
 
 @pytest.fixture(scope="session")

@@ -145,7 +145,8 @@ class Driver(ABC):
     def version(self) -> str:
         """What the driver runs on, for reports (e.g. ``bubblewrap 0.8.0``); "" if unknown.
 
-        Quick and without side effects; it must not raise, even when the driver cannot run.
+        Quick and without side effects. Where the driver cannot run it may raise; the
+        reports then say "unknown" and why.
         """
         return ""
 

@@ -119,6 +119,7 @@ def test_reports_carry_requirement_driver_and_gpus(
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
     result = run(
         pytester,
+        "--driver=reference",
         f"--sim-root={host.root}",
         "-k",
         "no_gpu_request or default_request",
