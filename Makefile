@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
 
-.PHONY: conformance test lint bench venv host-packages simulated-host engines engines-stop clean
+.PHONY: conformance test lint bench venv host-packages simulated-host engines engines-stop bench-engines clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,9 @@ test: venv host-packages lint
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+bench-engines: venv engines
+	$(BIN)/python -m bench.engines $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPORTS) *.egg-info
