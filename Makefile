@@ -18,7 +18,16 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-venv: $(BIN)/.installed
+# torch for the workload payloads' CPU self-check, pinned to an exact version: this
+# machine kind's pip finds a CPU build of it on disk, while an unpinned `torch` (or a range)
+# would resolve to the CUDA build and several GB of wheels. GPU runners install the `gpu`
+# extra instead. Elsewhere, point TORCH at a CPU wheel.
+TORCH ?= torch==2.13.0
+$(BIN)/.torch: $(BIN)/.installed
+	$(BIN)/pip install --quiet '$(TORCH)'
+	touch $@
+
+venv: $(BIN)/.installed $(BIN)/.torch
 
 # bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
 # the simulated nvidia-smi under busybox as a container image would.
