@@ -10,7 +10,7 @@ SIM_GPUS ?= 8
 REPORTS := reports
 PYTEST_ARGS ?=
 
-.PHONY: conformance test lint bench venv host-packages simulated-host clean
+.PHONY: conformance test lint bench bench-workloads venv host-packages simulated-host clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ test: venv host-packages lint
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# Matmul and copy payloads in a reference sandbox vs the bare host; CPU mode without a GPU.
+bench-workloads: venv host-packages
+	$(BIN)/python -m bench.workloads $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPORTS) *.egg-info

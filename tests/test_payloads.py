@@ -145,3 +145,12 @@ def test_payloads_are_standalone_scripts() -> None:
         assert "import drivers" not in source, path
         assert "from workloads" not in source, path
         assert len(source.encode()) < 128 * 1024, f"{path} is over one argument's limit"
+
+
+def test_the_benchmark_reports_medians_ratio_and_share_of_the_bare_peak() -> None:
+    from bench.workloads import report
+
+    samples = {"m": {"bare": [1.0, 2.0, 4.0], "sandbox": [1.0, 1.0, 3.0]}}
+    (header, row) = report(samples, {"m": "metric m"})
+    assert header.split()[:3] == ["metric", "bare", "sandbox"]
+    assert row.split() == ["metric", "m", "2", "1", "0.50x", "25%"]
