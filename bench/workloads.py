@@ -69,6 +69,11 @@ def _check(outcome: Outcome, where: str) -> None:
         sys.exit(f"the {where} run failed:\n{outcome.explain()}")
 
 
+def _load() -> str:
+    """The machine's load average: other work on the machine moves CPU-mode figures."""
+    return "load average " + " ".join(f"{load:.1f}" for load in os.getloadavg())
+
+
 def report(samples: Samples, labels: Mapping[str, str]) -> list[str]:
     lines = [f"{'metric':32} {'bare':>10} {'sandbox':>10} {'sandbox/bare':>13} {'% of peak':>10}"]
     for metric, runs in samples.items():
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 "(torch on the CPU, in a sandbox on a simulated GPU host). These figures "
                 "measure what the sandbox costs CPU work; they say nothing of a GPU."
             )
-        print(f"host: {host.describe()}; {os.cpu_count()} CPUs")
+        print(f"host: {host.describe()}; {os.cpu_count()} CPUs; {_load()}")
         try:
             with driver.create(SandboxSpec.with_gpus()) as sandbox:
                 env = dict(driver.sandbox_env({}))
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in report(samples, labels):
         print(f"  {line}")
-    print("peak = the best value observed on the bare host in this run")
+    print(f"peak = the best value observed on the bare host in this run; at the end, {_load()}")
     return 0
 
 
