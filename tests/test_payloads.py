@@ -69,6 +69,8 @@ def test_matmul_reports_its_throughput_and_errors_within_tolerance() -> None:
         ("GPU-9F1C6A4E-0B7D-4C2E-8A51-3E6F0D2B7C90", "GPU-9f1c6a4e-0b7d-4c2e-8a51-3e6f0d2b7c90"),
         (bytes(range(16)), "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"),
         ("MIG-5c3e0d5a-1b2c-4d5e-8f90-a1b2c3d4e5f6", "MIG-5c3e0d5a-1b2c-4d5e-8f90-a1b2c3d4e5f6"),
+        (bytes(range(1, 17)) + b"luid", "GPU-01020304-0506-0708-090a-0b0c0d0e0f10"),
+        (bytes(range(1, 6)), "GPU-01020304-0500-????-????-????????????"),
     ],
 )
 def test_device_uuids_take_nvidia_smi_form(raw: object, expected: str) -> None:
@@ -82,6 +84,8 @@ def test_device_uuids_take_nvidia_smi_form(raw: object, expected: str) -> None:
         ([FAKE_UUIDS[0]], False, "shows 1 devices"),
         ([FAKE_UUIDS[0], FAKE_UUIDS[0]], False, "one GPU twice"),
         ([FAKE_UUIDS[0], "GPU-ffffffff-0000-0000-0000-000000000000"], False, "not assigned"),
+        (["GPU-11111111-2222-3333-44??-????????????", FAKE_UUIDS[1]], True, "exactly the 2"),
+        (["GPU-11111111-2222-3333-45??-????????????", FAKE_UUIDS[1]], False, "not assigned"),
     ],
 )
 def test_cuda_must_show_exactly_the_assigned_gpus(seen: list[str], ok: bool, says: str) -> None:

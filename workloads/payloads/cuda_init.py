@@ -15,6 +15,7 @@ Prints one JSON line on stdout ({"workload", "ok", "mode", "metrics", "detail"})
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
@@ -28,11 +29,14 @@ KERNEL_ELEMENTS = 1024
 def device_uuid(raw: object) -> str:
     """A CUDA device UUID in nvidia-smi's form, ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``.
 
-    torch gives the bare 36-character form, CuPy the 16 raw bytes; MIG instances keep
-    their ``MIG-`` prefix.
+    torch gives the bare 36-character form, CuPy the raw bytes; MIG instances keep their
+    ``MIG-`` prefix. CuPy converts the 16-byte array as a C string, so its bytes stop at the
+    first zero byte (and may run past the 16th): a short UUID gets that zero byte back and
+    ``?`` for each digit it lost, which ``compare_devices`` lets match any digit.
     """
     if isinstance(raw, bytes | bytearray):
-        text = bytes(raw[:16]).hex()
+        known = bytes(raw[:16])
+        text = known.hex() if len(known) == 16 else (known + b"\0").hex().ljust(32, "?")
         raw = f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
     text = str(raw).strip().lower()
     if text.startswith(("gpu-", "mig-")):
@@ -42,8 +46,10 @@ def device_uuid(raw: object) -> str:
 
 def compare_devices(seen: Sequence[str], assigned: Sequence[str]) -> tuple[bool, str]:
     """Whether the devices CUDA shows are exactly the GPUs assigned, compared by UUID."""
-    wanted = {uuid.lower() for uuid in assigned}
-    strangers = [uuid for uuid in seen if uuid.lower() not in wanted]
+    wanted = [uuid.lower() for uuid in assigned]
+    strangers = [
+        uuid for uuid in seen if not any(fnmatch.fnmatchcase(w, uuid.lower()) for w in wanted)
+    ]
     if strangers:
         return False, f"CUDA shows {strangers}, not assigned to this sandbox ({list(assigned)})"
     if len(set(seen)) != len(seen):
