@@ -22,10 +22,10 @@ def test_workload_ends_as_the_manifest_expects(
     """A manifest workload MUST run in the sandbox and end as the manifest expects."""
     if workload_cpu and workload.payload is None:
         pytest.skip(f"{workload.name} is a command: it has no CPU mode")
-    if workload.gpus and not workload_cpu and driver.host.simulated is not None:
+    if driver.host.simulated is not None and not workload_cpu:
         pytest.skip(
-            f"no CUDA device: the GPUs are simulated ({driver.host.describe()}); "
-            "--workload-cpu runs the payloads' CPU mode instead"
+            f"no CUDA device: the GPUs are simulated ({driver.host.describe()}); the workload "
+            "lane needs a real GPU (--workload-cpu runs the payloads' CPU mode instead)"
         )
     image = workload.image or settings.image
     spec = (
