@@ -10,7 +10,10 @@ SIM_GPUS ?= 8
 REPORTS := reports
 PYTEST_ARGS ?=
 
-.PHONY: conformance test lint bench bench-workloads venv host-packages simulated-host clean
+ENGINES := scripts/engines.sh
+
+.PHONY: conformance test lint bench bench-workloads venv host-packages simulated-host engines \
+	engines-stop clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,13 +49,25 @@ host-packages:
 	  fi; \
 	fi
 
-# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made.
+# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made,
+# and its CDI spec registered for the container engines (in /var/run/cdi, a tmpfs).
 simulated-host: venv
 	@if nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "real NVIDIA GPUs found: no simulated host"; \
 	else \
-	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS); \
+	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS) \
+	    --cdi-dir /var/run/cdi; \
 	fi
+
+# The container engines of the docker and podman lanes: installed from Debian when missing
+# (root), started in the background unless they already answer. `make engines-stop` stops
+# what `make engines` started, by pid. `make conformance` never installs them.
+engines: host-packages
+	@$(ENGINES) install
+	@$(ENGINES) start >/dev/null
+
+engines-stop:
+	@$(ENGINES) stop
 
 conformance: venv host-packages simulated-host
 	@mkdir -p $(REPORTS)
@@ -65,8 +80,13 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The engine self-tests need dockerd and podman: installed when missing, started when not
+# running, and those this target started are stopped at the end.
 test: venv host-packages lint
-	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS)
+	@$(ENGINES) install
+	@started="$$($(ENGINES) start)"; rc=0; \
+	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	[ -z "$$started" ] || $(ENGINES) stop $$started; exit $$rc
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -70,6 +70,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--image", default=None, help="Container image for the engine drivers.")
     group.addoption(
+        "--requirement",
+        default=None,
+        metavar="IDS",
+        help="Run only the tests of these requirements, comma-separated (e.g. GPU-DEFAULT-02).",
+    )
+    group.addoption(
         "--reclaim-timeout",
         type=float,
         default=30.0,
@@ -150,7 +156,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("driver", names, ids=names, indirect=True, scope="session")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _select_requirements(config, items)
     applies = _applicability()
     for item in items:
         marker = item.get_closest_marker("requirement")
@@ -170,6 +178,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(
                     pytest.mark.skip(reason=f"{marker.args[0]} does not apply to {driver}")
                 )
+
+
+def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> None:
+    option = config.getoption("--requirement")
+    if not option:
+        return
+    wanted = {name.strip() for name in option.split(",") if name.strip()}
+    unknown = wanted - set(_applicability())
+    if unknown:
+        raise pytest.UsageError(f"--requirement: unknown requirement(s) {sorted(unknown)}")
+
+    def selected(item: pytest.Item) -> bool:
+        marker = item.get_closest_marker("requirement")
+        return marker is not None and marker.args[0] in wanted
+
+    config.hook.pytest_deselected(items=[item for item in items if not selected(item)])
+    items[:] = [item for item in items if selected(item)]
 
 
 @functools.cache

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 
 REGISTRY: Final = {
     "reference": "drivers.reference:ReferenceDriver",
+    "docker": "drivers.docker:DockerDriver",
+    "podman": "drivers.podman:PodmanDriver",
 }
 """Built-in drivers by name. Modules are imported only when their driver is chosen."""
 

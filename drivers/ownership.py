@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import threading
@@ -271,8 +272,26 @@ def _conflicts(existing: Lease | None, mode: str) -> bool:
 
 
 def _alive(holder: Holder) -> bool:
-    check = LIVENESS_CHECKS.get(holder.kind)
+    check = LIVENESS_CHECKS.get(holder.kind) or _built_in_check(holder.kind)
     return True if check is None else check(holder)
+
+
+def _built_in_check(kind: str) -> LivenessCheck | None:
+    """The check a built-in driver registers for its holders, importing it on first need.
+
+    A process that never used the docker driver must still see a removed container's GPUs
+    as free.
+    """
+    from drivers import REGISTRY
+
+    target = REGISTRY.get(kind)
+    if target is None:
+        return None
+    try:
+        importlib.import_module(target.partition(":")[0])
+    except ImportError:  # its client library is missing here: the holder cannot be judged
+        return None
+    return LIVENESS_CHECKS.get(kind)
 
 
 def _lease_to_dict(lease: Lease) -> dict[str, Any]:

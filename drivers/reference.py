@@ -32,6 +32,7 @@ from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResul
 from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from drivers.gpus import GpuDevice
 from drivers.ownership import Holder, LeaseOwner, process_start_time
+from drivers.procfs import each_process
 from drivers.simgpu import SANDBOX_SHARE
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 from drivers.wait import wait_until
@@ -417,17 +418,12 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
 def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
     """(sandbox id, pid) of every bwrap process stamped with ``session_id``."""
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not argv or not argv[0].endswith(b"bwrap"):
+    for pid, cmdline in each_process("cmdline"):
+        argv = cmdline.split(b"\0")
+        if not argv[0].endswith(b"bwrap"):
             continue
         args = [arg.decode(errors="replace") for arg in argv]
         pairs = {args[i + 1]: args[i + 2] for i, arg in enumerate(args[:-2]) if arg == "--setenv"}
         if pairs.get(SESSION_ENV) == session_id and SANDBOX_ENV in pairs:
-            found.append((pairs[SANDBOX_ENV], int(proc.name)))
+            found.append((pairs[SANDBOX_ENV], pid))
     return found

@@ -11,17 +11,24 @@ from drivers.spec import SandboxSpec
 
 NVIDIA_SMI_NO_DEVICES = 6
 """nvidia-smi's exit code when it finds no GPU (NVML_ERROR_NOT_FOUND)."""
+_COMMAND_NOT_FOUND = (126, 127)
+"""A shell's "not found", and the engines' exit code when exec cannot find the program."""
 # Minors of NVIDIA's major that are not GPUs: nvidia-modeset and nvidiactl.
 _NVIDIA_CONTROL_MINORS = {254, 255}
 
 
 def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
-    """UUIDs ``nvidia-smi`` lists inside the sandbox, in its order (duplicates kept)."""
+    """UUIDs ``nvidia-smi`` lists inside the sandbox, in its order (duplicates kept).
+
+    A sandbox with no ``nvidia-smi`` at all sees no GPU: container engines mount it with the
+    GPUs' CDI devices (the NVIDIA toolkit does the same), so a container given none has none.
+    """
     __tracebackhide__ = True
     result = sandbox.exec(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
-    if result.returncode == NVIDIA_SMI_NO_DEVICES and "No devices were found" in result.stdout + (
-        result.stderr
-    ):
+    output = result.stdout + result.stderr
+    if result.returncode == NVIDIA_SMI_NO_DEVICES and "No devices were found" in output:
+        return []
+    if result.returncode in _COMMAND_NOT_FOUND and "not found" in output:
         return []
     result.check()
     return [line.strip() for line in result.stdout.splitlines() if line.strip()]

@@ -14,6 +14,11 @@
   kind ``nvidia.com/gpu`` and devices by index, by UUID and ``all``, for the engine lanes;
 - ``leases/``: the simulated host's own lease registry.
 
+``setup(..., cdi_dir=Path("/var/run/cdi"))`` also registers the CDI spec with the container
+engines, as ``gpu-sandbox-sim.yaml``. Engines resolve a CDI name from every spec they read,
+so one simulated host at a time can be registered: the last one set up wins, and
+``teardown`` unregisters its own.
+
 Inside a sandbox, ``share/`` is mounted at ``/run/gpu-sim`` (``SANDBOX_SHARE``).
 """
 
@@ -91,8 +96,16 @@ _CONTROL_NODES = (
 )
 
 
-def setup(root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT) -> SimulatedHost:
-    """Create a simulated host of ``count`` GPUs under ``root``, replacing one already there."""
+REGISTERED_SPEC = "gpu-sandbox-sim.yaml"
+
+
+def setup(
+    root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT, cdi_dir: Path | None = None
+) -> SimulatedHost:
+    """Create a simulated host of ``count`` GPUs under ``root``, replacing one already there.
+
+    With ``cdi_dir``, its CDI spec is also written there for the container engines to read.
+    """
     if count < 1:
         raise SimulatedHostError(f"count must be at least 1, got {count}")
     if root.exists():
@@ -124,6 +137,12 @@ def setup(root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT) -> SimulatedHos
     host.cdi_spec.parent.mkdir()
     host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
     host.lease_dir.mkdir()
+    if cdi_dir is not None:
+        cdi_dir.mkdir(parents=True, exist_ok=True)
+        registered = cdi_dir / REGISTERED_SPEC
+        registered.with_suffix(".tmp").write_text(host.cdi_spec.read_text())
+        registered.with_suffix(".tmp").rename(registered)  # engines never read half a spec
+        (root / "cdi" / "registered").write_text(f"{registered}\n")
     return host
 
 
@@ -162,6 +181,15 @@ def teardown(root: Path = DEFAULT_ROOT) -> None:
         return
     if not (root / _MARKER).is_file():
         raise SimulatedHostError(f"refusing to remove {root}: not a simulated GPU host")
+    registration = root / "cdi" / "registered"
+    if registration.is_file():
+        registered = Path(registration.read_text().strip())
+        # Unregister only our own spec: another host may have been registered since.
+        if (
+            registered.is_file()
+            and registered.read_text() == (root / "cdi" / "nvidia-sim.yaml").read_text()
+        ):
+            registered.unlink()
     shutil.rmtree(root)
 
 

@@ -14,13 +14,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=("setup", "teardown", "show"))
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="state directory")
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help="GPUs to simulate")
+    parser.add_argument(
+        "--cdi-dir",
+        type=Path,
+        default=None,
+        help="also register the CDI spec here for the container engines (e.g. /var/run/cdi)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "teardown":
             teardown(args.root)
             print(f"removed the simulated GPU host at {args.root}")
             return 0
-        host = setup(args.root, args.count) if args.action == "setup" else load(args.root)
+        host = (
+            setup(args.root, args.count, args.cdi_dir)
+            if args.action == "setup"
+            else load(args.root)
+        )
     except SimulatedHostError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,94 @@
+"""What only container drivers promise: the engine's own view agrees, `=all`, out-of-band removal.
+
+These tests speak to the engine beside the driver, through its CLI, as a user would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import SandboxFactory, Settings
+from drivers.base import Driver
+from drivers.cdi import ALL_DEVICES
+from drivers.container import ContainerDriver, ContainerSandbox
+from drivers.errors import GpusExhausted
+from drivers.spec import SandboxSpec
+from drivers.testing import uuids, visible_gpu_uuids
+from drivers.wait import wait_until
+
+CLI_TIMEOUT_S = 120
+
+
+def _container_driver(driver: Driver) -> ContainerDriver:
+    if not isinstance(driver, ContainerDriver):
+        pytest.skip(f"not applicable: {driver.name} is not a container driver")
+    return driver
+
+
+def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    __tracebackhide__ = True
+    try:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
+        )
+    except FileNotFoundError:
+        pytest.fail(f"needed the engine's CLI to check the driver against: {argv[0]} not found")
+
+
+@pytest.mark.requirement("GPU-ORACLE-01")
+def test_sandbox_sees_what_the_engine_injects(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """For every GPU, nvidia-smi -L in a sandbox holding it MUST match the engine's own run."""
+    engine = _container_driver(driver)
+    for gpu in engine.inventory():
+        device = engine.device_ids(gpu)[0]
+        with sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[device])) as sandbox:
+            inside = sandbox.exec(["nvidia-smi", "-L"]).check().stdout
+            plain = _cli(engine.oracle_argv(device, None, ["nvidia-smi", "-L"]))
+        assert plain.returncode == 0, f"the engine's own run failed: {plain.stderr.strip()}"
+        assert inside == plain.stdout, (
+            f"{device}: the sandbox lists {inside!r}; `{engine.cli} run --device {device}` "
+            f"lists {plain.stdout!r}"
+        )
+        assert gpu.uuid in inside, f"{device} should be {gpu.describe()}; nvidia-smi: {inside!r}"
+
+
+@pytest.mark.requirement("GPU-ALL-01")
+@pytest.mark.gpus(2)
+def test_all_devices_only_when_asked_and_then_every_gpu(
+    driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """`nvidia.com/gpu=all`, asked for explicitly, MUST hold every GPU, exclusively."""
+    engine = _container_driver(driver)
+    default = sandboxes(SandboxSpec.with_gpus())
+    assert len(uuids(default)) == 1, f"a default request got {uuids(default)}"
+    default.close()
+    everything = sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[ALL_DEVICES]))
+    assert sorted(uuids(everything)) == sorted(host_gpus), (
+        f"{ALL_DEVICES} should hold all {len(host_gpus)} GPUs; the driver reports "
+        f"{uuids(everything)}"
+    )
+    assert sorted(visible_gpu_uuids(everything)) == sorted(host_gpus)
+    with pytest.raises(GpusExhausted):
+        sandboxes(SandboxSpec.with_gpus())
+
+
+@pytest.mark.requirement("GPU-RECLAIM-03")
+def test_container_removed_out_of_band_frees_its_gpus(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, host_gpus: tuple[str, ...]
+) -> None:
+    """The GPUs of a container removed by the engine's CLI MUST go to the next request."""
+    engine = _container_driver(driver)
+    spec = SandboxSpec.with_gpus(len(host_gpus))
+    victim = sandboxes(spec)
+    assert isinstance(victim, ContainerSandbox)
+    removed = _cli(engine.cli_argv("rm", "--force", victim.container_id))
+    assert removed.returncode == 0, f"`{engine.cli} rm --force` failed: {removed.stderr.strip()}"
+    successor = wait_until(
+        lambda: sandboxes(spec),
+        timeout_s=settings.reclaim_timeout_s,
+        what=f"re-taking the GPUs of container {victim.container_id[:12]}, removed out-of-band",
+        retry_on=(GpusExhausted,),
+    )
+    assert sorted(uuids(successor)) == sorted(host_gpus)

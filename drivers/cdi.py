@@ -1,0 +1,100 @@
+"""The CDI devices a container engine can inject, read from the specs it reads.
+
+Container drivers name GPUs the way their engine does: by CDI name (``nvidia.com/gpu=0``,
+``nvidia.com/gpu=GPU-…``, ``nvidia.com/gpu=all``). Which GPU a name injects is decided by
+the device nodes its spec lists, so the names are matched to host GPUs by node minor, the
+identity the GPUs' ``/dev/nvidia<minor>`` nodes carry, never by trusting the name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from drivers.gpus import CDI_KIND, NVIDIA_MAJOR, GpuDevice
+
+DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+"""Where CDI-enabled engines look unless configured otherwise (podman, dockerd, containerd)."""
+ALL_DEVICES = f"{CDI_KIND}=all"
+_GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+_FIRST_CONTROL_MINOR = 254
+"""nvidia-modeset (254) and nvidiactl (255) share the GPUs' major; they are not GPUs."""
+
+
+@dataclass(frozen=True)
+class CdiRegistry:
+    """The ``nvidia.com/gpu`` devices of the specs in some directories, by GPU node minor."""
+
+    devices: dict[str, frozenset[int]] = field(default_factory=dict)
+    """Fully qualified CDI name → minors of the NVIDIA GPU nodes it injects."""
+    problems: tuple[str, ...] = ()
+    """Spec files that could not be read, with why."""
+
+    def names_of(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them."""
+        return tuple(name for name, minors in self.devices.items() if minors == {gpu.minor})
+
+    def missing(self, gpus: Sequence[GpuDevice]) -> list[GpuDevice]:
+        """The GPUs no CDI name injects alone."""
+        return [gpu for gpu in gpus if not self.names_of(gpu)]
+
+
+def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
+    """Read every ``*.yaml``/``*.json`` spec of kind ``nvidia.com/gpu`` in ``spec_dirs``.
+
+    As in the CDI library, a later directory overrides an earlier one for the same name.
+    """
+    devices: dict[str, frozenset[int]] = {}
+    problems = []
+    for directory in spec_dirs:
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.iterdir()):
+            if path.suffix not in (".yaml", ".yml", ".json"):
+                continue
+            try:
+                spec = _read(path)
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                problems.append(f"{path}: {exc}")
+                continue
+            if spec.get("kind") != CDI_KIND:
+                continue
+            common = _gpu_minors(spec.get("containerEdits") or {})
+            for device in spec.get("devices") or []:
+                minors = common | _gpu_minors(device.get("containerEdits") or {})
+                devices[f"{CDI_KIND}={device.get('name')}"] = frozenset(minors)
+    return CdiRegistry(_index_names_first(devices), tuple(problems))
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a CDI spec (not a mapping)")
+    return data
+
+
+def _gpu_minors(edits: dict[str, Any]) -> set[int]:
+    minors = set()
+    for node in edits.get("deviceNodes") or []:
+        minor = node.get("minor")
+        if node.get("major") == NVIDIA_MAJOR and isinstance(minor, int):
+            if minor < _FIRST_CONTROL_MINOR:
+                minors.add(minor)
+        elif match := _GPU_NODE.match(str(node.get("path", ""))):
+            minors.add(int(match.group(1)))
+    return minors
+
+
+def _index_names_first(devices: dict[str, frozenset[int]]) -> dict[str, frozenset[int]]:
+    def key(name: str) -> tuple[bool, int, str]:
+        suffix = name.partition("=")[2]
+        return (not suffix.isdigit(), int(suffix) if suffix.isdigit() else 0, suffix)
+
+    return {name: devices[name] for name in sorted(devices, key=key)}

@@ -1,0 +1,449 @@
+"""What the docker and podman drivers share: CDI injection, labels, leases, keepalive.
+
+A container sandbox is a container started from the user's image (``--image``, or the
+spec's ``image``) with no network, no capabilities, ``no-new-privileges``, and no devices
+but the CDI devices of the GPUs it was given. GPUs come from the host-wide lease registry,
+so a GPU held by any local driver's sandbox is never handed out again. Every container
+carries labels: the session, the sandbox id, the driver and the CDI devices it holds.
+
+A lease's holder is the container itself: the lease lives while the engine knows the
+container, so removing it out-of-band (``docker rm -f``) frees its GPUs. Containers are
+started with auto-remove, so a container whose main process dies is gone too. The main
+process reads a FIFO (the keepalive) whose write end only the creating process holds: when
+the creator dies, the read sees end-of-file, the container exits and is removed, and its
+GPUs come back, as a bubblewrap sandbox dies with its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import threading
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from drivers import cdi
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
+from drivers.errors import DuplicateGpuDevice, ExecTimeout, SandboxExecError, SandboxStartError
+from drivers.gpus import CDI_KIND, GpuDevice
+from drivers.ownership import LIVENESS_CHECKS, Holder, LeaseOwner
+from drivers.procfs import each_process
+from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from drivers.wait import wait_until
+
+DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
+"""The base image ``make engines`` builds from a busybox rootfs (no registry needed)."""
+LABEL_PREFIX = "io.gpu-sandbox."
+SESSION_LABEL = LABEL_PREFIX + "session"
+SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
+DRIVER_LABEL = LABEL_PREFIX + "driver"
+DEVICES_LABEL = LABEL_PREFIX + "cdi-devices"
+KEEPALIVE_PATH = "/run/gpu-sandbox-keepalive"
+EXEC_MARKER_ENV = "GPU_SANDBOX_EXEC"
+"""Set on every exec'd command, and inherited by what it starts: how a timeout finds them."""
+API_TIMEOUT_S = 60
+"""For every engine call but exec, which runs as long as the command: a minute means stuck."""
+EXEC_API_TIMEOUT_S = 24 * 3600
+"""Exec's own timeout kills the command, which ends the call; this only bounds a lost engine."""
+REAP_TIMEOUT_S = 30.0
+KILL_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """Everything the engine needs to start one sandbox's container."""
+
+    name: str
+    image: str
+    command: tuple[str, ...]
+    labels: Mapping[str, str]
+    cdi_devices: tuple[str, ...]
+    env: Mapping[str, str]
+    keepalive: Path
+    """A FIFO on the host, bound read-only at ``KEEPALIVE_PATH`` inside."""
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+
+class EngineError(Exception):
+    """An engine call failed; the message is the engine's own."""
+
+
+class ContainerDriver(Driver):
+    """A driver that runs sandboxes as containers of one engine, reached through its API."""
+
+    url_env: ClassVar[str]
+    """The environment variable naming the engine's API endpoint, as its CLI reads it."""
+    default_url: ClassVar[str]
+    cli: ClassVar[str]
+    cli_url_flag: ClassVar[str]
+    """The CLI's flag naming the engine: ``--host`` for docker, ``--url`` for podman."""
+
+    @property
+    def url(self) -> str:
+        return os.environ.get(self.url_env) or self.default_url
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return DriverCapabilities(
+            max_gpus_per_sandbox=len(self.host.gpus),
+            exact_ids=True,
+            exact_id_forms=(
+                f"a CDI name: {CDI_KIND}=<index>, {CDI_KIND}=<UUID>, or "
+                f"{cdi.ALL_DEVICES} for every GPU"
+            ),
+            exclusive=True,
+        )
+
+    # -- what each engine implements -----------------------------------------------------
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise when the engine does not answer."""
+
+    @abstractmethod
+    def cdi_spec_dirs(self) -> tuple[Path, ...]:
+        """Where the engine reads CDI specs; raise ``EngineError`` when CDI is off."""
+
+    @abstractmethod
+    def has_image(self, image: str) -> bool: ...
+
+    engine_errors: ClassVar[tuple[type[Exception], ...]]
+    """What the engine's client library raises when the engine refuses a call."""
+
+    @abstractmethod
+    def create_container(self, request: ContainerRequest) -> str:
+        """Create (not start) the container; return its id."""
+
+    @abstractmethod
+    def start_created(self, container_id: str) -> None: ...
+
+    @abstractmethod
+    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
+        """Run a command in the container and wait for it; ``EngineError`` if it cannot."""
+
+    @abstractmethod
+    def remove_container(self, container_id: str) -> None:
+        """Kill and remove the container; a container already gone is not an error."""
+
+    @abstractmethod
+    def kill_container(self, container_id: str) -> None:
+        """SIGKILL the container's main process; a container already gone is not an error."""
+
+    @abstractmethod
+    def session_containers(self, session_id: str) -> dict[str, str]:
+        """Sandbox id → container id of every container labelled with ``session_id``."""
+
+    @classmethod
+    @abstractmethod
+    def container_exists(cls, url: str, container_id: str) -> bool:
+        """Whether the engine at ``url`` still knows the container; raise if it cannot tell."""
+
+    # -- the driver contract ---------------------------------------------------------------
+
+    def probe(self) -> Availability:
+        try:
+            self.ping()
+        except Exception as exc:  # every client library raises its own kinds
+            return Availability(
+                False,
+                f"needed {self.name} answering at {self.url} (found: {type(exc).__name__}: "
+                f"{exc}; start it with `make engines`, or point {self.url_env} at it)",
+            )
+        try:
+            dirs = self.cdi_spec_dirs()
+        except EngineError as exc:
+            return Availability(False, str(exc))
+        if not self.host.gpus:
+            return Availability(
+                False,
+                "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
+                "use --sim-root for a simulated GPU host)",
+            )
+        registry = self.cdi_registry
+        missing = registry.missing(self.host.gpus)
+        if missing:
+            hint = (
+                f"register the simulated host with `python -m drivers.simgpu setup --root "
+                f"{self.host.simulated.root} --cdi-dir /var/run/cdi`"
+                if self.host.simulated
+                else "generate one with `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml`"
+            )
+            problems = f"; unreadable: {'; '.join(registry.problems)}" if registry.problems else ""
+            return Availability(
+                False,
+                f"needed a CDI spec in {', '.join(map(str, dirs))} naming each GPU (found none "
+                f"for {', '.join(gpu.describe() for gpu in missing)}{problems}; {hint})",
+            )
+        image = self.image or DEFAULT_IMAGE
+        if not self.has_image(image):
+            return Availability(
+                False,
+                f"needed the image {image} in {self.name} (found none; `make engines` builds "
+                f"{DEFAULT_IMAGE}, or pass --image=IMAGE)",
+            )
+        return Availability(True)
+
+    @functools.cached_property
+    def cdi_registry(self) -> cdi.CdiRegistry:
+        return cdi.load(self.cdi_spec_dirs())
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        return self.host.gpus
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        return self.cdi_registry.names_of(gpu)
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if cdi.ALL_DEVICES in plan.device_ids:
+            if len(plan.device_ids) > 1:
+                raise DuplicateGpuDevice(
+                    plan.field,
+                    cdi.ALL_DEVICES,
+                    f"{plan.field} names '{cdi.ALL_DEVICES}', which is every GPU, together with "
+                    f"other devices: {list(plan.device_ids)}",
+                )
+            return self.inventory()
+        return super().resolve(plan)
+
+    def create(self, spec: SandboxSpec) -> ContainerSandbox:
+        plan = self.validate(spec)
+        sandbox_id = uuid.uuid4().hex[:12]
+        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+        try:
+            return ContainerSandbox(
+                self,
+                sandbox_id,
+                gpus,
+                self.cdi_devices(plan, gpus),
+                spec.image or self.image or DEFAULT_IMAGE,
+                spec.env,
+            )
+        except BaseException:
+            self.host.leases.release(sandbox_id)
+            raise
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        """Lease the plan's GPUs, held by this process until the container holds them."""
+        exact = self.resolve(plan) if plan.device_ids else ()
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
+
+    def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
+        """The CDI names to inject: the user's own when exact, else each GPU's first name."""
+        if plan is not None and plan.device_ids:
+            return plan.device_ids
+        return tuple(self.device_ids(gpu)[0] for gpu in gpus)
+
+    def holder(self, container_id: str) -> Holder:
+        return Holder(self.name, f"{self.url} {container_id}")
+
+    def keepalive_dir(self) -> Path:
+        return self.host.leases.directory / "keepalive"
+
+    def sandboxes(self, session_id: str) -> list[str]:
+        return sorted(self.session_containers(session_id))
+
+    def reap(self, session_id: str) -> list[str]:
+        found = self.session_containers(session_id)
+        for container_id in found.values():
+            self.remove_container(container_id)
+
+        def all_gone() -> None:
+            if self.session_containers(session_id):
+                raise ProcessLookupError(f"containers of session {session_id} still exist")
+
+        wait_until(
+            all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
+        )
+        released = self.host.leases.release_session(session_id)
+        for fifo in self.keepalive_dir().glob(f"{session_id}.*"):
+            fifo.unlink(missing_ok=True)
+        return sorted(set(found) | {lease.sandbox_id for lease in released})
+
+    def start_container(self, request: ContainerRequest) -> str:
+        """Create and start the container; on failure, leave none and say why."""
+        try:
+            container_id = self.create_container(request)
+        except self.engine_errors as exc:
+            raise SandboxStartError(
+                f"{self.name} could not create {request.name} from {request.image}: "
+                f"{self.explain(exc)}"
+            ) from exc
+        try:
+            self.start_created(container_id)
+        except BaseException as exc:
+            self.remove_container(container_id)
+            if isinstance(exc, self.engine_errors):
+                raise SandboxStartError(
+                    f"{self.name} could not start {request.name} with CDI devices "
+                    f"{list(request.cdi_devices)}: {self.explain(exc)}"
+                ) from exc
+            raise
+        return container_id
+
+    def explain(self, exc: Exception) -> str:
+        """The engine's own words for a refused call."""
+        return str(exc)
+
+    def cli_argv(self, *args: str) -> list[str]:
+        """A command line of the engine's own CLI, pointed at the engine this driver uses."""
+        return [self.cli, f"--{self.cli_url_flag}={self.url}", *args]
+
+    def oracle_argv(self, cdi_device: str, image: str | None, argv: Sequence[str]) -> list[str]:
+        """The engine's CLI running ``argv`` with one CDI device, outside any driver."""
+        image = image or self.image or DEFAULT_IMAGE
+        return self.cli_argv(
+            "run", "--rm", "--network=none", f"--device={cdi_device}", image, *argv
+        )
+
+
+class ContainerSandbox(Sandbox):
+    def __init__(
+        self,
+        driver: ContainerDriver,
+        sandbox_id: str,
+        gpus: tuple[GpuDevice, ...],
+        cdi_devices: tuple[str, ...],
+        image: str,
+        env: Mapping[str, str],
+    ) -> None:
+        super().__init__(sandbox_id, driver.name, gpus)
+        self.cdi_devices = cdi_devices
+        self._driver = driver
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # The creator holds the FIFO's only write end, in every process that creates: the
+        # container's reader sees end-of-file when the creator dies.
+        driver.keepalive_dir().mkdir(parents=True, exist_ok=True)
+        self._keepalive = driver.keepalive_dir() / f"{driver.session_id}.{sandbox_id}"
+        os.mkfifo(self._keepalive, 0o600)
+        self._keepalive_fd = os.open(self._keepalive, os.O_RDWR | os.O_CLOEXEC)
+        request = ContainerRequest(
+            name=f"gpu-sandbox-{sandbox_id}",
+            image=image,
+            command=("sh", "-c", f"exec cat {KEEPALIVE_PATH} >/dev/null"),
+            labels={
+                SESSION_LABEL: driver.session_id,
+                SANDBOX_LABEL: sandbox_id,
+                DRIVER_LABEL: driver.name,
+                DEVICES_LABEL: ",".join(cdi_devices),
+            },
+            cdi_devices=cdi_devices,
+            env=dict(env),
+            keepalive=self._keepalive,
+        )
+        try:
+            self.container_id = driver.start_container(request)
+        except BaseException:
+            self._drop_keepalive()
+            raise
+        try:
+            driver.host.leases.set_holder(sandbox_id, driver.holder(self.container_id))
+        except BaseException:
+            self._remove()
+            raise
+
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        if not argv:
+            raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
+        if self._closed:
+            raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
+        marker = uuid.uuid4().hex
+        timer = _Timeout(timeout, marker)
+        timer.start()
+        try:
+            output = self._driver.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
+        except EngineError as exc:
+            raise SandboxExecError(
+                f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
+            ) from exc
+        finally:
+            timer.cancel()
+        if timer.fired:
+            raise ExecTimeout(argv, timeout)
+        return ExecResult(
+            tuple(argv),
+            output.returncode,
+            output.stdout.decode(errors="replace"),
+            output.stderr.decode(errors="replace"),
+        )
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._remove()
+        finally:
+            self._driver.host.leases.release(self.id)
+
+    def kill(self) -> None:
+        self._driver.kill_container(self.container_id)
+
+    def _remove(self) -> None:
+        try:
+            self._driver.remove_container(self.container_id)
+        finally:
+            self._drop_keepalive()
+
+    def _drop_keepalive(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._keepalive_fd)
+        self._keepalive.unlink(missing_ok=True)
+
+
+class _Timeout(threading.Timer):
+    """Kills, when it fires, every process an exec started: those carrying its marker.
+
+    Engines have no call to stop an exec; what an exec starts inherits its environment,
+    setsid or not, so the marker finds it wherever it went in the container.
+    """
+
+    def __init__(self, timeout: float, marker: str) -> None:
+        super().__init__(timeout, self._kill)
+        self.daemon = True
+        self.fired = False
+        self._needle = f"{EXEC_MARKER_ENV}={marker}".encode()
+
+    def _kill(self) -> None:
+        self.fired = True
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = _marked_processes(self._needle)
+            if not found:
+                return
+            for pid in found:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+
+
+def _marked_processes(needle: bytes) -> list[int]:
+    return [pid for pid, environ in each_process("environ") if needle in environ.split(b"\0")]
+
+
+def register_liveness(driver: type[ContainerDriver]) -> None:
+    """Make leases held by ``driver``'s containers live exactly as long as the containers."""
+
+    def alive(holder: Holder) -> bool:
+        url, _, container_id = holder.ref.rpartition(" ")
+        try:
+            return driver.container_exists(url, container_id)
+        except Exception:  # engine unreachable: never take a GPU back on a guess
+            return True
+
+    LIVENESS_CHECKS[driver.name] = alive

@@ -1,0 +1,150 @@
+"""The docker driver: containers of dockerd, GPUs injected as CDI devices.
+
+Host needs: dockerd 25 or newer with CDI enabled (``"features": {"cdi": true}`` in
+daemon.json), a CDI spec naming each GPU (``nvidia-ctk cdi generate``, or the simulated
+host's), and the docker SDK (PyPI ``docker``). The engine is found as the docker CLI finds
+it: ``$DOCKER_HOST``, else ``unix:///var/run/docker.sock``.
+
+GPUs are injected with ``DeviceRequest(driver="cdi", device_ids=[...])``, never with
+``--gpus``, which needs the NVIDIA runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import docker
+import docker.errors
+from docker.types import DeviceRequest, Mount
+
+from drivers.container import (
+    API_TIMEOUT_S,
+    EXEC_API_TIMEOUT_S,
+    KEEPALIVE_PATH,
+    SANDBOX_LABEL,
+    SESSION_LABEL,
+    ContainerDriver,
+    ContainerRequest,
+    EngineError,
+    ExecOutput,
+    register_liveness,
+)
+
+
+class DockerDriver(ContainerDriver):
+    name = "docker"
+    engine_errors = (docker.errors.DockerException,)
+    url_env = "DOCKER_HOST"
+    default_url = "unix:///var/run/docker.sock"
+    cli = "docker"
+    cli_url_flag = "host"
+
+    @property
+    def api(self) -> docker.APIClient:
+        return _client(self.url, os.getpid(), API_TIMEOUT_S).api
+
+    def ping(self) -> None:
+        self.api.ping()
+
+    def version(self) -> str:
+        return f"dockerd {self.api.version()['Version']}"
+
+    def cdi_spec_dirs(self) -> tuple[Path, ...]:
+        info = self.api.info()
+        dirs = info.get("CDISpecDirs")
+        if not dirs:
+            raise EngineError(
+                f"needed dockerd with CDI enabled (found docker {info.get('ServerVersion')} "
+                'without it: add "features": {"cdi": true} to /etc/docker/daemon.json and '
+                "restart dockerd; CDI needs docker 25 or newer)"
+            )
+        return tuple(Path(d) for d in dirs)
+
+    def has_image(self, image: str) -> bool:
+        try:
+            self.api.inspect_image(image)  # type: ignore[no-untyped-call]
+        except docker.errors.ImageNotFound:
+            return False
+        return True
+
+    def create_container(self, request: ContainerRequest) -> str:
+        api = self.api
+        devices = [DeviceRequest(driver="cdi", device_ids=list(request.cdi_devices))]
+        host_config = api.create_host_config(
+            auto_remove=True,
+            init=True,  # reaps what timed-out execs leave behind
+            network_mode="none",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            device_requests=devices if request.cdi_devices else None,
+            mounts=[Mount(KEEPALIVE_PATH, str(request.keepalive), type="bind", read_only=True)],
+        )
+        created = api.create_container(
+            request.image,
+            list(request.command),
+            name=request.name,
+            labels=dict(request.labels),
+            environment=dict(request.env),
+            host_config=host_config,
+        )
+        return str(created["Id"])
+
+    def start_created(self, container_id: str) -> None:
+        self.api.start(container_id)
+
+    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
+        api = _client(self.url, os.getpid(), EXEC_API_TIMEOUT_S).api
+        try:
+            exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
+            stdout, stderr = api.exec_start(exec_id, demux=True)
+            returncode = api.exec_inspect(exec_id)["ExitCode"]
+        except docker.errors.DockerException as exc:
+            raise EngineError(self.explain(exc)) from exc
+        return ExecOutput(returncode, stdout or b"", stderr or b"")
+
+    def remove_container(self, container_id: str) -> None:
+        try:
+            self.api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: auto-remove is already removing it
+                raise
+
+    def kill_container(self, container_id: str) -> None:
+        try:
+            self.api.kill(container_id, "SIGKILL")
+        except docker.errors.APIError as exc:
+            if exc.status_code not in (404, 409):  # gone, or not running any more
+                raise
+
+    def session_containers(self, session_id: str) -> dict[str, str]:
+        found = self.api.containers(all=True, filters={"label": f"{SESSION_LABEL}={session_id}"})
+        return {item["Labels"][SANDBOX_LABEL]: item["Id"] for item in found}
+
+    def explain(self, exc: Exception) -> str:
+        return str(getattr(exc, "explanation", None) or exc)
+
+    @classmethod
+    def container_exists(cls, url: str, container_id: str) -> bool:
+        try:
+            _client(url, os.getpid(), API_TIMEOUT_S).api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return False
+        return True
+
+
+@functools.cache
+def _client(url: str, pid: int, timeout: int) -> docker.DockerClient:
+    """One client per engine, process and timeout.
+
+    A forked child must not share its parent's connections; exec's client waits as long as
+    the command runs.
+    """
+    return docker.DockerClient(base_url=url, timeout=timeout, version="auto")
+
+
+register_liveness(DockerDriver)

@@ -1,0 +1,133 @@
+"""The podman driver: containers of podman's REST service, GPUs injected as CDI devices.
+
+Host needs: podman 4.1 or newer (Debian 12's 4.3 works with runc), its REST service
+(``podman system service``), a CDI spec naming each GPU in /etc/cdi or /var/run/cdi
+(podman 4.3 reads cdiVersion 0.3.0 to 0.5.0 only), and podman-py (PyPI ``podman``). The
+service is found as the podman CLI finds it: ``$CONTAINER_HOST``, else the rootful socket.
+
+GPUs are injected as CDI names in ``devices``; podman 4.3 accepts ``--gpus`` and ignores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import podman
+import podman.errors
+
+from drivers import cdi
+from drivers.container import (
+    API_TIMEOUT_S,
+    EXEC_API_TIMEOUT_S,
+    KEEPALIVE_PATH,
+    SANDBOX_LABEL,
+    SESSION_LABEL,
+    ContainerDriver,
+    ContainerRequest,
+    EngineError,
+    ExecOutput,
+    register_liveness,
+)
+
+
+class PodmanDriver(ContainerDriver):
+    name = "podman"
+    engine_errors = (podman.errors.PodmanError,)
+    url_env = "CONTAINER_HOST"
+    default_url = "unix:///run/podman/podman.sock"
+    cli = "podman"
+    cli_url_flag = "url"
+
+    @property
+    def client(self) -> podman.PodmanClient:
+        return _client(self.url, os.getpid(), API_TIMEOUT_S)
+
+    def ping(self) -> None:
+        if not self.client.ping():
+            raise EngineError("the service did not answer its ping")
+
+    def version(self) -> str:
+        version = self.client.version()  # type: ignore[no-untyped-call]
+        return f"podman {version['Version']}"
+
+    def cdi_spec_dirs(self) -> tuple[Path, ...]:
+        return cdi.DEFAULT_SPEC_DIRS
+
+    def has_image(self, image: str) -> bool:
+        return bool(self.client.images.exists(image))
+
+    def create_container(self, request: ContainerRequest) -> str:
+        container = self.client.containers.create(
+            request.image,
+            list(request.command),
+            name=request.name,
+            labels=dict(request.labels),
+            environment=dict(request.env),
+            init=True,  # reaps what timed-out execs leave behind
+            network_mode="none",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            devices=list(request.cdi_devices),
+            mounts=[
+                {
+                    "type": "bind",
+                    "source": str(request.keepalive),
+                    "target": KEEPALIVE_PATH,
+                    "read_only": True,
+                }
+            ],
+            stop_timeout=0,  # else a forced removal waits 10 s
+            auto_remove=True,
+        )
+        return str(container.id)
+
+    def start_created(self, container_id: str) -> None:
+        self.client.containers.get(container_id).start()
+
+    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
+        client = _client(self.url, os.getpid(), EXEC_API_TIMEOUT_S)
+        try:
+            container = client.containers.get(container_id)
+            returncode, output = container.exec_run(list(argv), environment=dict(env), demux=True)
+        except podman.errors.PodmanError as exc:
+            raise EngineError(str(exc)) from exc
+        if returncode is None or not isinstance(output, tuple):
+            raise EngineError(f"podman gave no exit code for {list(argv)!r}")
+        stdout, stderr = output
+        return ExecOutput(returncode, stdout or b"", stderr or b"")
+
+    def remove_container(self, container_id: str) -> None:
+        with contextlib.suppress(podman.errors.NotFound):
+            self.client.containers.remove(container_id, force=True)
+
+    def kill_container(self, container_id: str) -> None:
+        try:
+            self.client.containers.get(container_id).kill("SIGKILL")
+        except podman.errors.NotFound:
+            pass
+        except podman.errors.APIError as exc:
+            if exc.status_code != 409:  # not running any more
+                raise
+
+    def session_containers(self, session_id: str) -> dict[str, str]:
+        found = self.client.containers.list(
+            all=True, filters={"label": f"{SESSION_LABEL}={session_id}"}
+        )
+        return {container.labels[SANDBOX_LABEL]: str(container.id) for container in found}
+
+    @classmethod
+    def container_exists(cls, url: str, container_id: str) -> bool:
+        return bool(_client(url, os.getpid(), API_TIMEOUT_S).containers.exists(container_id))
+
+
+@functools.cache
+def _client(url: str, pid: int, timeout: int) -> podman.PodmanClient:
+    """One client per service, process and timeout (as for docker)."""
+    return podman.PodmanClient(base_url=url, timeout=timeout)
+
+
+register_liveness(PodmanDriver)

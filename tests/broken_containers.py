@@ -1,0 +1,137 @@
+"""Planted broken container drivers: docker and podman with one defect each.
+
+Each defect is written once, as a mixin over ``ContainerDriver``, and planted in both
+engines' drivers. ``BREAKS`` names the requirement the catalogue must fail for it;
+``tests/test_engines.py`` runs those tests against every one of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import ClassVar
+
+from drivers.cdi import ALL_DEVICES
+from drivers.container import ContainerDriver
+from drivers.docker import DockerDriver
+from drivers.gpus import GpuDevice
+from drivers.ownership import Holder
+from drivers.podman import PodmanDriver
+from drivers.spec import GpuPlan
+
+
+class BrokenContainerDriver(ContainerDriver):
+    BREAKS: ClassVar[str]
+
+
+class RoundRobinDefault(BrokenContainerDriver):
+    """Defaults go round-robin with no record of which GPU is in use (the old selection)."""
+
+    BREAKS = "GPU-DEFAULT-02"
+    _next: ClassVar[itertools.count[int]] = itertools.count()
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.device_ids:
+            return super().allocate(sandbox_id, plan)
+        inventory = self.inventory()
+        return tuple(inventory[next(self._next) % len(inventory)] for _ in range(plan.count))
+
+
+class AllOnDefault(BrokenContainerDriver):
+    """A default request injects nvidia.com/gpu=all (the old default) though it leases one."""
+
+    BREAKS = "GPU-DEFAULT-01"
+
+    def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
+        if plan is not None and not plan.device_ids:
+            return (ALL_DEVICES,)
+        return super().cdi_devices(plan, gpus)
+
+
+class LeaseKeptAfterRemoval(BrokenContainerDriver):
+    """Leases are held by the creating process, not the container: removal frees nothing."""
+
+    BREAKS = "GPU-RECLAIM-03"
+
+    def holder(self, container_id: str) -> Holder:
+        return Holder.process(os.getpid())
+
+
+class InjectsNeighbour(BrokenContainerDriver):
+    """Exact IDs inject the next GPU's CDI device while the driver reports the one asked for."""
+
+    BREAKS = "GPU-ORACLE-01"
+
+    def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
+        if plan is None or not plan.device_ids:
+            return super().cdi_devices(plan, gpus)
+        inventory = self.inventory()
+        return tuple(
+            self.device_ids(inventory[(gpu.index + 1) % len(inventory)])[0] for gpu in gpus
+        )
+
+
+class AllHoldsOne(BrokenContainerDriver):
+    """nvidia.com/gpu=all injects every GPU but leases only the first."""
+
+    BREAKS = "GPU-ALL-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if ALL_DEVICES in plan.device_ids:
+            return self.inventory()[:1]
+        return super().resolve(plan)
+
+
+class DockerRoundRobinDefault(RoundRobinDefault, DockerDriver):
+    pass
+
+
+class DockerAllOnDefault(AllOnDefault, DockerDriver):
+    pass
+
+
+class DockerLeaseKeptAfterRemoval(LeaseKeptAfterRemoval, DockerDriver):
+    pass
+
+
+class DockerInjectsNeighbour(InjectsNeighbour, DockerDriver):
+    pass
+
+
+class DockerAllHoldsOne(AllHoldsOne, DockerDriver):
+    pass
+
+
+class PodmanRoundRobinDefault(RoundRobinDefault, PodmanDriver):
+    pass
+
+
+class PodmanAllOnDefault(AllOnDefault, PodmanDriver):
+    pass
+
+
+class PodmanLeaseKeptAfterRemoval(LeaseKeptAfterRemoval, PodmanDriver):
+    pass
+
+
+class PodmanInjectsNeighbour(InjectsNeighbour, PodmanDriver):
+    pass
+
+
+class PodmanAllHoldsOne(AllHoldsOne, PodmanDriver):
+    pass
+
+
+ALL: tuple[type[BrokenContainerDriver], ...] = (
+    DockerRoundRobinDefault,
+    DockerAllOnDefault,
+    DockerLeaseKeptAfterRemoval,
+    DockerInjectsNeighbour,
+    DockerAllHoldsOne,
+    PodmanRoundRobinDefault,
+    PodmanAllOnDefault,
+    PodmanLeaseKeptAfterRemoval,
+    PodmanInjectsNeighbour,
+    PodmanAllHoldsOne,
+)

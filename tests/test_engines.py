@@ -1,0 +1,214 @@
+"""The container lane on the real engines: dockerd and podman, with simulated GPUs via CDI.
+
+`make test` installs and starts both engines (scripts/engines.sh); a machine without them
+fails here with the reason, never skips. Every test runs in one xdist group: the engines
+read one registered CDI spec, so one simulated host serves them all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from drivers import simgpu
+from drivers.container import SESSION_LABEL, ContainerDriver
+from drivers.docker import DockerDriver
+from drivers.host import GpuHost, HostConfig
+from drivers.podman import PodmanDriver
+from drivers.reference import ReferenceDriver
+from drivers.spec import SandboxSpec
+from drivers.testing import uuids, visible_gpu_uuids
+from drivers.wait import wait_until
+from tests import broken_containers
+from tests.test_planted import ROOT, golden_ids, run_catalogue
+
+pytestmark = pytest.mark.xdist_group("engines")
+CDI_DIR = Path("/var/run/cdi")
+ENGINES: tuple[type[ContainerDriver], ...] = (DockerDriver, PodmanDriver)
+
+
+@pytest.fixture(scope="module")
+def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
+    """An 8-GPU simulated host registered with both engines, which must be running."""
+    sim = simgpu.setup(tmp_path_factory.mktemp("engines") / "sim", 8, cdi_dir=CDI_DIR)
+    host = GpuHost.open(HostConfig(sim.root))
+    for engine in ENGINES:
+        availability = engine(host, "probe").probe()
+        assert availability.ok, f"{engine.name} cannot run: {availability.reason}"
+    yield host
+    simgpu.teardown(sim.root)
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_catalogue_passes_on_the_real_engine(
+    pytester: pytest.Pytester, tmp_path: Path, engine_host: GpuHost, engine: str
+) -> None:
+    result = run_catalogue(pytester, tmp_path, engine, sim_root=engine_host.config.sim_root)
+    verdicts = {req: cells[engine] for req, cells in result["matrix"].items()}
+    required = golden_ids()
+    assert set(verdicts) >= required
+    assert {req for req in required if verdicts[req] != "passed"} == set(), verdicts
+
+
+@pytest.mark.parametrize(
+    "broken", broken_containers.ALL, ids=[cls.__name__ for cls in broken_containers.ALL]
+)
+def test_catalogue_fails_the_broken_container_driver(
+    pytester: pytest.Pytester,
+    tmp_path: Path,
+    engine_host: GpuHost,
+    broken: type[broken_containers.BrokenContainerDriver],
+) -> None:
+    name = f"tests.broken_containers:{broken.__name__}"
+    result = run_catalogue(
+        pytester,
+        tmp_path,
+        name,
+        8,
+        f"--requirement={broken.BREAKS}",
+        sim_root=engine_host.config.sim_root,
+    )
+    verdict = result["matrix"][broken.BREAKS][name]
+    caught = [test for test in result["tests"] if test["outcome"] == "failed"]
+    explained = f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}: {result['tests']}"
+    assert verdict == "failed", explained
+    assert caught, explained
+
+
+def test_no_driver_hands_out_a_gpu_another_driver_holds(engine_host: GpuHost) -> None:
+    """Reference holds GPU 0 and podman GPU 1: a docker default request gets neither."""
+    session = f"cross-{time.time_ns()}"
+    reference = ReferenceDriver(engine_host, session)
+    podman = PodmanDriver(engine_host, session)
+    docker = DockerDriver(engine_host, session)
+    gpu0, gpu1 = engine_host.gpus[:2]
+    try:
+        first = reference.create(SandboxSpec.with_gpus(driver="reference", device_ids=["0"]))
+        second = podman.create(
+            SandboxSpec.with_gpus(driver="podman", device_ids=[podman.device_ids(gpu1)[0]])
+        )
+        third = docker.create(SandboxSpec.with_gpus())
+        assert (uuids(first), uuids(second)) == ([gpu0.uuid], [gpu1.uuid])
+        assert uuids(third) == [engine_host.gpus[2].uuid], (
+            f"reference holds {gpu0.uuid} and podman {gpu1.uuid}; docker got {uuids(third)}"
+        )
+        assert visible_gpu_uuids(third) == uuids(third)
+    finally:
+        for driver in (reference, podman, docker):
+            driver.reap(session)
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_run_then_reap_leaves_no_container(
+    engine_host: GpuHost, how: signal.Signals
+) -> None:
+    """Interrupt a catalogue run while it holds containers; `--reap` leaves none behind."""
+    run = subprocess.Popen(
+        [
+            sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}",
+            "-c", str(ROOT / "pytest.ini"), "-p", "no:cacheprovider", "--driver=docker,podman",
+            f"--sim-root={engine_host.config.sim_root}", "--requirement=GPU-RECLAIM-02",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        session = _session_of(run)
+        drivers = [engine(engine_host, session) for engine in ENGINES]
+        wait_until(
+            lambda: _any_container(drivers, session),
+            timeout_s=60,
+            what=f"the run's first container (session {session})",
+            retry_on=(LookupError,),
+        )
+        run.send_signal(how)
+        run.wait(60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        assert run.stdout is not None
+        run.stdout.close()
+    reap = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", f"--rootdir={ROOT}", "-c", str(ROOT / "pytest.ini"),
+            "--driver=docker,podman", f"--sim-root={engine_host.config.sim_root}",
+            f"--reap={session}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )  # fmt: skip
+    assert reap.returncode == 0, reap.stdout + reap.stderr
+    assert [driver.sandboxes(session) for driver in drivers] == [[], []]
+    for engine in ENGINES:
+        listing = subprocess.run(
+            engine(engine_host, session).cli_argv(
+                "ps", "--all", "--quiet", f"--filter=label={SESSION_LABEL}={session}"
+            ),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert listing.stdout.strip() == "", f"{engine.name} still lists {listing.stdout}"
+    assert [lease for lease in engine_host.leases.leases() if lease.session_id == session] == []
+
+
+def _session_of(run: subprocess.Popen[str]) -> str:
+    assert run.stdout is not None
+    for line in run.stdout:
+        found = re.search(r"gpu-sandbox session: (\w+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError(f"the run printed no session id (exit {run.wait()})")
+
+
+def _any_container(drivers: list[ContainerDriver], session: str) -> None:
+    if not any(driver.sandboxes(session) for driver in drivers):
+        raise LookupError("no container yet")
+
+
+def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
+    tmp_path: Path, engine_host: GpuHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second, real dockerd started without CDI: the probe names the daemon.json setting."""
+    state = Path(f"/run/gpu-sandbox-nocdi-{tmp_path.name}")
+    socket = state / "docker.sock"
+    config = {
+        "hosts": [f"unix://{socket}"],
+        "data-root": str(state / "data"),
+        "exec-root": str(state / "exec"),
+        "pidfile": str(state / "docker.pid"),
+        "storage-driver": "vfs",
+        "iptables": False,
+        "ip6tables": False,
+        "bridge": "none",
+    }
+    state.mkdir(parents=True)
+    (state / "daemon.json").write_text(json.dumps(config))
+    with (state / "dockerd.log").open("w") as log:
+        daemon = subprocess.Popen(
+            ["dockerd", f"--config-file={state / 'daemon.json'}"], stdout=log, stderr=log
+        )
+    try:
+        monkeypatch.setenv("DOCKER_HOST", f"unix://{socket}")
+        driver = DockerDriver(engine_host, "nocdi")
+        wait_until(driver.ping, timeout_s=60, what=f"the dockerd without CDI at {socket}")
+        availability = driver.probe()
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+    assert not availability.ok
+    assert '"features": {"cdi": true}' in availability.reason, availability.reason
