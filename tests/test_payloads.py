@@ -121,6 +121,7 @@ JUDGED = {
     "a field missing": (json.dumps({"ok": True}), 0, ERROR, "lacks 'workload'"),
     "ok but exit 1": (report(), 1, ERROR, "exited 1"),
     "ran on CUDA in a CPU run": (report(mode="cuda"), 0, ERROR, "mode 'cuda'"),
+    "no python3 in the image": ("", 127, ERROR, "py was not found or could not run"),
 }
 
 

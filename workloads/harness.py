@@ -23,6 +23,8 @@ REPORT_FIELDS: Mapping[str, type] = {
     "metrics": dict,
     "detail": str,
 }
+NOT_RUN = (126, 127)
+"""The shell's and container engines' exit codes for a command that could not be run."""
 STDERR_LINES = 30
 """How much of a payload's stderr a failure message shows: the end, where tracebacks are."""
 
@@ -64,6 +66,11 @@ def judge(workload: Workload, result: ExecResult, cpu: bool = False) -> Outcome:
         return Outcome(workload, PASS if result.returncode == 0 else FAIL, result)
     report, problem = parse_report(result.stdout)
     if report is None:
+        if result.returncode in NOT_RUN:
+            problem += (
+                f"\nexit {result.returncode}: {result.argv[0]} was not found or could not run "
+                "in the sandbox; does the image have it?"
+            )
         return Outcome(workload, ERROR, result, problem=problem)
     allowed = {"cpu", "none"} if cpu else {"cuda", "none"}
     if report["mode"] not in allowed:
