@@ -4,9 +4,9 @@
    ``nvidia-smi -L`` + close, against the engine's own
    ``<cli> run --rm --network=none --device nvidia.com/gpu=0 <image> nvidia-smi -L``,
    interleaved run by run so both see the same machine load. Target: at most 1.25x.
-2. The whole catalogue's wall time per driver (reference, docker, podman), then all three
-   in one run serially and with pytest-xdist ``-n 2``, each several times, counting runs
-   that did not pass (a flaky result is any such run).
+2. The whole catalogue's wall time per driver (reference, docker, podman), serially and
+   with pytest-xdist ``-n 2``, counting runs that did not pass (a flaky result is any such
+   run).
 
 Needs both engines answering (``make engines``). Runs on a simulated 8-GPU host of its own,
 registered with the engines for the duration (``make conformance`` registers its own again).
@@ -77,7 +77,8 @@ def bench_catalogue(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__)
     parser.add_argument("--iterations", type=int, default=30, help="lifecycles to time")
-    parser.add_argument("--runs", type=int, default=5, help="catalogue runs per setting")
+    parser.add_argument("--runs", type=int, default=3, help="serial catalogue runs per driver")
+    parser.add_argument("--xdist-runs", type=int, default=5, help="-n 2 runs per driver")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-engines-") as tmp:
@@ -100,21 +101,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"     {raw:<44}{bare * 1000:8.1f} ms")
                 print(f"     ratio {ours / bare:.2f}x  (target <= 1.25x)")
 
-            print(f"\n2. the whole catalogue, {args.runs} runs each")
-            settings: list[tuple[str, str, tuple[str, ...]]] = [
-                ("reference", "reference", ()),
-                ("docker", "docker", ()),
-                ("podman", "podman", ()),
-                ("all three", "reference,docker,podman", ()),
-                ("all three, -n 2", "reference,docker,podman", ("-n", "2")),
-            ]
-            for label, drivers, extra in settings:
-                times, failed = bench_catalogue(sim.root, drivers, args.runs, *extra)
-                listed = ", ".join(f"{t:.1f}" for t in times)
-                print(
-                    f"   {label:<16} median {statistics.median(times):6.1f} s  "
-                    f"runs {listed}  not passed: {failed}"
-                )
+            print("\n2. the whole catalogue (pytest conformance --driver=X), wall time")
+            for name in ("reference", "docker", "podman"):
+                for label, runs, extra in (
+                    ("serial", args.runs, ()),
+                    ("-n 2", args.xdist_runs, ("-n", "2")),
+                ):
+                    times, failed = bench_catalogue(sim.root, name, runs, *extra)
+                    listed = ", ".join(f"{t:.1f}" for t in times)
+                    print(
+                        f"   {name:<10}{label:<8}median {statistics.median(times):6.1f} s  "
+                        f"({runs} runs: {listed})  not passed: {failed}"
+                    )
         finally:
             simgpu.teardown(sim.root)
     return 0
