@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
 
-.PHONY: conformance test lint bench venv host-packages test-packages simulated-host engines \
-	engines-stop clean
+.PHONY: conformance test lint bench bench-engines bench-workloads venv host-packages \
+	test-packages simulated-host engines engines-stop clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,16 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-venv: $(BIN)/.installed
+# torch for the workload payloads' CPU self-check, pinned to an exact version: this
+# machine kind's pip finds a CPU build of it on disk, while an unpinned `torch` (or a range)
+# would resolve to the CUDA build and several GB of wheels. GPU runners install the `gpu`
+# extra instead. Elsewhere, point TORCH at a CPU wheel.
+TORCH ?= torch==2.13.0
+$(BIN)/.torch: $(BIN)/.installed
+	$(BIN)/pip install --quiet '$(TORCH)'
+	touch $@
+
+venv: $(BIN)/.installed $(BIN)/.torch
 
 # Installs from Debian, as root, each package of $(1) ("command:package", or
 # "command+other-command:package") when none of its commands is found; otherwise prints the
@@ -102,6 +111,13 @@ test: venv host-packages test-packages lint
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+bench-engines: venv engines
+	$(BIN)/python -m bench.engines $(BENCH_ARGS)
+
+# Matmul and copy payloads in a reference sandbox vs the bare host; CPU mode without a GPU.
+bench-workloads: venv host-packages
+	$(BIN)/python -m bench.workloads $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPORTS) *.egg-info

@@ -33,12 +33,25 @@ class CdiRegistry:
 
     devices: dict[str, frozenset[int]] = field(default_factory=dict)
     """Fully qualified CDI name → minors of the NVIDIA GPU nodes it injects."""
+    sources: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Fully qualified CDI name → the host paths of those nodes, where the spec gives them."""
     problems: tuple[str, ...] = ()
     """Spec files that could not be read, with why."""
 
     def names_of(self, gpu: GpuDevice) -> tuple[str, ...]:
-        """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them."""
-        return tuple(name for name, minors in self.devices.items() if minors == {gpu.minor})
+        """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them.
+
+        A name whose node comes from another host path (another simulated host's spec) is
+        not this GPU's, however equal the minor.
+        """
+        own = {node.source for node in gpu.nodes}
+        return tuple(
+            name
+            for name, minors in self.devices.items()
+            if name != ALL_DEVICES
+            and minors == {gpu.minor}
+            and self.sources.get(name, frozenset()) <= own
+        )
 
     def missing(self, gpus: Sequence[GpuDevice]) -> list[GpuDevice]:
         """The GPUs no CDI name injects alone."""
@@ -51,6 +64,7 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
     As in the CDI library, a later directory overrides an earlier one for the same name.
     """
     devices: dict[str, frozenset[int]] = {}
+    sources: dict[str, frozenset[str]] = {}
     problems = []
     for directory in spec_dirs:
         if not directory.is_dir():
@@ -65,11 +79,13 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
                 continue
             if spec.get("kind") != CDI_KIND:
                 continue
-            common = _gpu_minors(spec.get("containerEdits") or {})
+            common = _gpu_nodes(spec.get("containerEdits") or {})
             for device in spec.get("devices") or []:
-                minors = common | _gpu_minors(device.get("containerEdits") or {})
-                devices[f"{CDI_KIND}={device.get('name')}"] = frozenset(minors)
-    return CdiRegistry(_index_names_first(devices), tuple(problems))
+                nodes = common | _gpu_nodes(device.get("containerEdits") or {})
+                name = f"{CDI_KIND}={device.get('name')}"
+                devices[name] = frozenset(minor for minor, _ in nodes)
+                sources[name] = frozenset(source for _, source in nodes if source)
+    return CdiRegistry(_index_names_first(devices), sources, tuple(problems))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -80,16 +96,18 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _gpu_minors(edits: dict[str, Any]) -> set[int]:
-    minors = set()
+def _gpu_nodes(edits: dict[str, Any]) -> set[tuple[int, str]]:
+    """(minor, host path or "") of each NVIDIA GPU node the edits inject."""
+    nodes = set()
     for node in edits.get("deviceNodes") or []:
         minor = node.get("minor")
+        source = str(node.get("hostPath") or node.get("path") or "")
         if node.get("major") == NVIDIA_MAJOR and isinstance(minor, int):
             if minor < _FIRST_CONTROL_MINOR:
-                minors.add(minor)
+                nodes.add((minor, source))
         elif match := _GPU_NODE.match(str(node.get("path", ""))):
-            minors.add(int(match.group(1)))
-    return minors
+            nodes.add((int(match.group(1)), source))
+    return nodes
 
 
 def _index_names_first(devices: dict[str, frozenset[int]]) -> dict[str, frozenset[int]]:

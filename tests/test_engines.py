@@ -53,8 +53,9 @@ def test_catalogue_passes_on_the_real_engine(
 ) -> None:
     result, _ = run_catalogue(pytester, tmp_path, engine, sim_root=engine_host.config.sim_root)
     verdicts = {req: cells[engine] for req, cells in result["matrix"].items()}
-    assert set(verdicts) == golden_ids()
-    assert {req for req, verdict in verdicts.items() if verdict != "passed"} == set(), verdicts
+    required = golden_ids()
+    assert set(verdicts) >= required
+    assert {req for req in required if verdicts[req] != "passed"} == set(), verdicts
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""The golden list and the catalogue must agree, requirement for requirement."""
+"""The golden list and the tests must agree, requirement for requirement.
+
+The conformance catalogue names its requirements in markers; the workload lane in its
+manifest (one requirement per workload), each generated test carrying it as a marker.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ import yaml
 
 from conformance import requirements
 from drivers import REGISTRY
+from workloads.manifest import MANIFEST, REQUIREMENT_PREFIX, load_manifest
 
 ROOT = Path(__file__).parent.parent
 CATALOGUE = ROOT / "conformance"
+WORKLOADS = ROOT / "workloads"
 KNOWN_DRIVERS = {"reference", "docker", "podman", "kubernetes", "vm"}
 
 
@@ -22,14 +28,19 @@ def golden() -> list[dict[str, object]]:
     return entries
 
 
-def catalogue_tests() -> dict[str, list[str]]:
-    """Each conformance test's requirement ids (from its decorators) and its docstring."""
+def catalogue_tests(directory: Path = CATALOGUE) -> dict[str, list[str]]:
+    """Each test's requirement ids (from its decorators) and its docstring.
+
+    A workload test that takes the ``workload`` parameter gets its requirement from the
+    manifest; it stands here as the id ``(manifest)``.
+    """
     found: dict[str, list[str]] = {}
-    for path in sorted(CATALOGUE.glob("test_*.py")):
+    for path in sorted(directory.glob("test_*.py")):
         for node in ast.parse(path.read_text()).body:
             if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
                 continue
-            ids = [
+            from_manifest = ["(manifest)"] if "workload" in {a.arg for a in node.args.args} else []
+            ids = from_manifest + [
                 d.args[0].value
                 for d in node.decorator_list
                 if isinstance(d, ast.Call)
@@ -101,15 +112,27 @@ def test_profile_levels() -> None:
     assert golden_list.level("Z-99", "vm") == "mandatory"
 
 
+def manifest_requirements() -> set[str]:
+    return {workload.requirement for workload in load_manifest(MANIFEST)}
+
+
 def test_every_conformance_test_has_one_requirement_and_a_must_docstring() -> None:
-    for test, (*ids, docstring) in catalogue_tests().items():
+    tests = {**catalogue_tests(), **catalogue_tests(WORKLOADS)}
+    assert any(ids == ["(manifest)"] for *ids, _ in tests.values()), "no manifest-driven test"
+    for test, (*ids, docstring) in tests.items():
         assert len(ids) == 1, f"{test} must carry exactly one requirement marker, has {ids}"
         assert "MUST" in docstring, f"{test} needs a MUST docstring"
         assert "\n" not in docstring.strip(), f"{test}: the docstring must be one line"
 
 
 def test_golden_list_matches_the_catalogue() -> None:
-    in_tests = {ids[0] for *ids, _ in catalogue_tests().values() if ids}
+    in_catalogue = {ids[0] for *ids, _ in catalogue_tests().values() if ids}
+    in_workloads = {ids[0] for *ids, _ in catalogue_tests(WORKLOADS).values() if ids}
+    in_workloads = (in_workloads - {"(manifest)"}) | manifest_requirements()
     in_golden = {str(entry["id"]) for entry in golden()}
+    in_tests = in_catalogue | in_workloads
     assert in_golden - in_tests == set(), "golden requirements with no test"
     assert in_tests - in_golden == set(), "tests of requirements missing from the golden list"
+    # Each lane owns its ids: the catalogue's never start with WORKLOAD-, the lane's always.
+    assert {i for i in in_catalogue if i.startswith(REQUIREMENT_PREFIX)} == set()
+    assert {i for i in in_workloads if not i.startswith(REQUIREMENT_PREFIX)} == set()

@@ -1,0 +1,78 @@
+"""Reading CDI specs: names matched to GPUs by their device nodes, never by the name."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from drivers import cdi, simgpu
+from drivers.gpus import DeviceNode, GpuDevice
+
+DATA = Path(__file__).parent / "data" / "cdi"
+T4_SPEC = DATA / "cdi-spec.nvidia-ctk.T4-g4dn.xlarge.570.133.20.yaml"
+T4_UUID = "GPU-6cf00fa7-59ac-16f2-3e83-d24ccdc56f84"
+
+
+def _real_gpu(index: int, uuid: str) -> GpuDevice:
+    node = DeviceNode(f"/dev/nvidia{index}", 195, index)
+    return GpuDevice(
+        index, uuid, "Tesla T4", f"00000000:{index:02X}:1E.0", minor=index, nodes=(node,)
+    )
+
+
+def test_a_recorded_nvidia_ctk_spec_names_its_gpu_by_index_and_uuid(tmp_path: Path) -> None:
+    shutil.copy(T4_SPEC, tmp_path / "nvidia.yaml")
+    registry = cdi.load([tmp_path])
+    assert registry.problems == ()
+    gpu = _real_gpu(0, T4_UUID)
+    assert registry.names_of(gpu) == ("nvidia.com/gpu=0", f"nvidia.com/gpu={T4_UUID}")
+    assert cdi.ALL_DEVICES in registry.devices  # known, but never one GPU's own name
+    assert registry.missing([gpu, _real_gpu(1, "GPU-other")]) == [_real_gpu(1, "GPU-other")]
+
+
+def test_control_nodes_are_not_gpus(tmp_path: Path) -> None:
+    spec = yaml.safe_load(T4_SPEC.read_text())
+    spec["devices"][0]["containerEdits"]["deviceNodes"].append(
+        {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255}
+    )
+    (tmp_path / "nvidia.yaml").write_text(yaml.safe_dump(spec))
+    assert cdi.load([tmp_path]).devices["nvidia.com/gpu=0"] == {0}
+
+
+def test_another_simulated_hosts_spec_does_not_name_our_gpus(tmp_path: Path) -> None:
+    """Equal minors are not enough: the nodes must be this host's own."""
+    registered = tmp_path / "cdi"
+    ours = simgpu.setup(tmp_path / "ours", 2)
+    theirs = simgpu.setup(tmp_path / "theirs", 2, cdi_dir=registered)
+    registry = cdi.load([registered])
+    assert [registry.names_of(gpu) for gpu in ours.gpus] == [(), ()]
+    assert registry.missing(ours.gpus) == list(ours.gpus)
+    assert registry.names_of(theirs.gpus[1])[0] == "nvidia.com/gpu=1"
+
+
+def test_a_later_directory_overrides_and_unreadable_specs_are_reported(tmp_path: Path) -> None:
+    first, second = tmp_path / "etc", tmp_path / "run"
+    first.mkdir()
+    second.mkdir()
+    shutil.copy(T4_SPEC, first / "nvidia.yaml")
+    spec = yaml.safe_load(T4_SPEC.read_text())
+    spec["devices"][0]["containerEdits"]["deviceNodes"] = [{"path": "/dev/nvidia3"}]
+    (second / "nvidia.yaml").write_text(yaml.safe_dump(spec))
+    (second / "broken.json").write_text("{not json")
+    (second / "other.yaml").write_text(yaml.safe_dump({"kind": "example.com/fpga", "devices": []}))
+    registry = cdi.load([first, second, tmp_path / "absent"])
+    assert registry.devices["nvidia.com/gpu=0"] == {3}
+    assert len(registry.problems) == 1
+    assert "broken.json" in registry.problems[0]
+
+
+def test_teardown_unregisters_only_its_own_spec(tmp_path: Path) -> None:
+    registered = tmp_path / "cdi"
+    first = simgpu.setup(tmp_path / "first", 1, cdi_dir=registered)
+    second = simgpu.setup(tmp_path / "second", 1, cdi_dir=registered)
+    simgpu.teardown(first.root)
+    assert (registered / simgpu.REGISTERED_SPEC).is_file()
+    simgpu.teardown(second.root)
+    assert not (registered / simgpu.REGISTERED_SPEC).exists()

@@ -1,0 +1,234 @@
+"""The workload manifest: what runs inside the sandboxes, as data, checked strictly on load.
+
+```yaml
+workloads:
+  - name: torch-matmul              # the test id: lower case, digits and dashes; unique
+    requirement: WORKLOAD-TORCH-01  # an id of conformance/REQUIREMENTS.yaml
+    payload: torch_checks.py        # a script under workloads/payloads/ ...
+    args: [matmul]                  # ... and its arguments
+    # command: [nvidia-smi, -L]     # ... or a command run as it is, instead of a payload
+    gpus: 1                         # GPUs to request; 0 requests none
+    expect: pass                    # pass or fail
+    image: my/cuda-image:tag        # optional; else --image
+    timeout_s: 300                  # optional (default 300)
+```
+
+In ``args`` and ``command``, ``{gpu_uuids}`` becomes the sandbox's GPUs' UUIDs, comma
+separated, and ``{gpu_count}`` their number. A payload passes when it prints a JSON line
+with ``"ok": true`` and exits 0, and fails when it prints ``"ok": false``; anything else
+(no JSON line, a crash) is an error, which no ``expect`` accepts. A command passes when it
+exits 0 and fails otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MANIFEST = Path(__file__).parent / "manifest.yaml"
+PAYLOADS = Path(__file__).parent / "payloads"
+REQUIREMENT_PREFIX = "WORKLOAD-"
+"""Requirements of the workload lane start with it; the conformance catalogue's do not."""
+DEFAULT_TIMEOUT_S = 300.0
+"""A cold host takes tens of seconds to import CUDA libraries and compile kernels."""
+OUTCOMES = ("pass", "fail")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_KEYS = frozenset(
+    {"name", "requirement", "payload", "command", "args", "gpus", "expect", "image", "timeout_s"}
+)
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used: ``field`` is where, ``value`` what was found there."""
+
+    def __init__(self, source: Path, field: str, value: object, problem: str) -> None:
+        super().__init__(f"{source}: {field}: {problem}")
+        self.source = source
+        self.field = field
+        self.value = value
+
+
+class MissingField(ManifestError):
+    """A required field is absent."""
+
+
+class UnknownField(ManifestError):
+    """A field the manifest format does not have (a typo, most likely)."""
+
+
+class InvalidValue(ManifestError):
+    """A field holds a value of the wrong type or out of range."""
+
+
+class DuplicateName(ManifestError):
+    """Two workloads have the same name, and so the same test id."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requirement: str
+    expect: str
+    gpus: int
+    payload: Path | None = None
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    image: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def argv(self, python: str, gpu_uuids: Sequence[str], cpu: bool = False) -> list[str]:
+        """The command line that runs this workload, payloads as ``python -c <source>``."""
+        values = {"{gpu_uuids}": ",".join(gpu_uuids), "{gpu_count}": str(len(gpu_uuids))}
+
+        def fill(arg: str) -> str:
+            for placeholder, value in values.items():
+                arg = arg.replace(placeholder, value)
+            return arg
+
+        if self.payload is None:
+            return [fill(arg) for arg in self.command]
+        source = self.payload.read_text()
+        return [python, "-c", source, *(fill(arg) for arg in self.args), *(["--cpu"] * cpu)]
+
+    def describe(self) -> str:
+        """What runs, short enough for a message (a payload's source is not repeated)."""
+        what = [self.payload.name, *self.args] if self.payload else list(self.command)
+        return f"{self.name} ({' '.join(what)})"
+
+
+def load_manifest(
+    path: Path = MANIFEST, requirements: Collection[str] | None = None
+) -> tuple[Workload, ...]:
+    """Read and check a manifest; ``requirements``, when given, are the ids it may name."""
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InvalidValue(path, "(document)", None, f"not YAML: {exc}") from exc
+    if not isinstance(document, Mapping) or set(document) != {"workloads"}:
+        raise InvalidValue(
+            path,
+            "(document)",
+            document,
+            f"must be a mapping with one key, 'workloads', got {_shown(document)}",
+        )
+    entries = document["workloads"]
+    if not isinstance(entries, list) or not entries:
+        raise InvalidValue(
+            path, "workloads", entries, f"must be a non-empty list, got {_shown(entries)}"
+        )
+    workloads: list[Workload] = []
+    for index, entry in enumerate(entries):
+        workload = _parse(_Entry(path, f"workloads[{index}]", entry), requirements)
+        if any(seen.name == workload.name for seen in workloads):
+            raise DuplicateName(
+                path, f"workloads[{index}].name", workload.name, f"'{workload.name}' is used twice"
+            )
+        workloads.append(workload)
+    return tuple(workloads)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    source: Path
+    where: str
+    raw: Any
+
+    def get(self, key: str, required: bool = True) -> Any:
+        if key not in self.raw and required:
+            raise MissingField(self.source, f"{self.where}.{key}", None, "is required")
+        return self.raw.get(key)
+
+    def invalid(self, key: str, problem: str) -> InvalidValue:
+        value = self.raw.get(key)
+        return InvalidValue(
+            self.source, f"{self.where}.{key}", value, f"{problem}, got {_shown(value)}"
+        )
+
+
+def _parse(entry: _Entry, requirements: Collection[str] | None) -> Workload:
+    if not isinstance(entry.raw, Mapping):
+        raise InvalidValue(entry.source, entry.where, entry.raw, "must be a mapping")
+    for key in entry.raw:
+        if key not in _KEYS:
+            raise UnknownField(
+                entry.source,
+                f"{entry.where}.{key}",
+                entry.raw[key],
+                f"unknown field '{key}', set to {_shown(entry.raw[key])} "
+                f"(known: {', '.join(sorted(_KEYS))})",
+            )
+    name = entry.get("name")
+    if not (isinstance(name, str) and _NAME.match(name)):
+        raise entry.invalid("name", "must be lower case letters, digits and dashes")
+    requirement = entry.get("requirement")
+    if not isinstance(requirement, str) or (
+        requirements is not None and requirement not in requirements
+    ):
+        raise entry.invalid("requirement", "must be an id of conformance/REQUIREMENTS.yaml")
+    gpus = entry.get("gpus")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise entry.invalid("gpus", "must be a whole number, 0 or more")
+    expect = entry.get("expect")
+    if expect not in OUTCOMES:
+        raise entry.invalid("expect", "must be 'pass' or 'fail'")
+    return Workload(
+        name=name,
+        requirement=requirement,
+        expect=expect,
+        gpus=gpus,
+        payload=_payload(entry),
+        command=_strings(entry, "command"),
+        args=_strings(entry, "args"),
+        image=_image(entry),
+        timeout_s=_timeout(entry),
+    )
+
+
+def _payload(entry: _Entry) -> Path | None:
+    payload, command = entry.raw.get("payload"), entry.raw.get("command")
+    if (payload is None) == (command is None):
+        raise entry.invalid("payload", "give either a payload or a command, not both or neither")
+    if payload is None:
+        if "args" in entry.raw:
+            raise entry.invalid("args", "args go with a payload; a command carries its own")
+        return None
+    path = PAYLOADS / str(payload)
+    if not isinstance(payload, str) or path.parent != PAYLOADS or not path.is_file():
+        raise entry.invalid("payload", f"must name a file in {PAYLOADS}")
+    return path
+
+
+def _strings(entry: _Entry, key: str) -> tuple[str, ...]:
+    value = entry.raw.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise entry.invalid(key, "must be a list of strings")
+    if key == "command" and key in entry.raw and not value:
+        raise entry.invalid(key, "must not be empty")
+    return tuple(value)
+
+
+def _image(entry: _Entry) -> str | None:
+    image = entry.get("image", required=False)
+    if image is not None and not (isinstance(image, str) and image):
+        raise entry.invalid("image", "must be an image reference")
+    return image
+
+
+def _timeout(entry: _Entry) -> float:
+    timeout = entry.get("timeout_s", required=False)
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise entry.invalid("timeout_s", "must be a positive number of seconds")
+    return float(timeout)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: a message names the value, it does not reprint a file."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

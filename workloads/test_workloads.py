@@ -1,0 +1,37 @@
+"""The workload lane: each workload of the manifest runs inside a sandbox of each driver."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SandboxFactory, Settings
+from drivers.base import Driver
+from drivers.spec import SandboxSpec
+from workloads.harness import run_in_sandbox
+from workloads.manifest import Workload
+
+
+def test_workload_ends_as_the_manifest_expects(
+    driver: Driver,
+    sandboxes: SandboxFactory,
+    settings: Settings,
+    workload: Workload,
+    workload_python: str,
+    workload_cpu: bool,
+) -> None:
+    """A manifest workload MUST run in the sandbox and end as the manifest expects."""
+    if workload_cpu and workload.payload is None:
+        pytest.skip(f"{workload.name} is a command: it has no CPU mode")
+    if driver.host.simulated is not None and not workload_cpu:
+        pytest.skip(
+            f"no CUDA device: the GPUs are simulated ({driver.host.describe()}); the workload "
+            "lane needs a real GPU (--workload-cpu runs the payloads' CPU mode instead)"
+        )
+    image = workload.image or settings.image
+    spec = (
+        SandboxSpec.with_gpus(workload.gpus, image=image)
+        if workload.gpus
+        else SandboxSpec(image=image)
+    )
+    outcome = run_in_sandbox(sandboxes(spec), workload, workload_python, workload_cpu)
+    assert outcome.verdict == workload.expect, outcome.explain()
