@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 ENGINES := scripts/engines.sh
 
 .PHONY: conformance test lint bench bench-engines bench-workloads venv host-packages \
-	simulated-host engines engines-stop clean
+	test-packages simulated-host engines engines-stop clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,22 +32,37 @@ $(BIN)/.torch: $(BIN)/.installed
 
 venv: $(BIN)/.installed $(BIN)/.torch
 
-# bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
-# the simulated nvidia-smi under busybox as a container image would.
-host-packages:
+# Installs from Debian, as root, each package of $(1) ("command:package", or
+# "command+other-command:package") when none of its commands is found; otherwise prints the
+# apt-get line to run, and fails. Waits for another apt to finish.
+define install-missing
 	@missing=""; \
-	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
-	[ -x /bin/busybox ] || missing="$$missing busybox-static"; \
-	command -v nsenter >/dev/null || missing="$$missing util-linux"; \
+	for need in $(1); do \
+	  cmds="$${need%%:*}"; found=""; \
+	  for cmd in $${cmds//+/ }; do command -v "$$cmd" >/dev/null && found=1; done; \
+	  [ -n "$$found" ] || missing="$$missing $${need#*:}"; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing$$missing from Debian"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	    apt-get -o DPkg::Lock::Timeout=300 update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq $$missing >/dev/null; \
 	  else \
 	    echo "missing host packages:$$missing; install them with: sudo apt-get install$$missing" >&2; \
 	    exit 1; \
 	  fi; \
 	fi
+endef
+
+# bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
+# the simulated nvidia-smi under busybox as a container image would.
+host-packages:
+	$(call install-missing,bwrap:bubblewrap /bin/busybox:busybox-static nsenter:util-linux)
+
+# chromium renders the HTML conformance matrix in the self-tests, headless (GitHub's Ubuntu
+# runners have Google Chrome instead).
+test-packages:
+	$(call install-missing,chromium+chromium-browser+google-chrome:chromium)
 
 # A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made,
 # and its CDI spec registered for the container engines (in /var/run/cdi, a tmpfs).
@@ -69,20 +84,26 @@ engines: host-packages
 engines-stop:
 	@$(ENGINES) stop
 
+# Prints the matrix and one verdict per driver; writes the reports (README: Reports).
 conformance: venv host-packages simulated-host
 	@mkdir -p $(REPORTS)
 	@sim=""; nvidia-smi -L >/dev/null 2>&1 || sim="--sim-root=$(SIM_ROOT)"; \
-	$(BIN)/pytest conformance workloads $$sim --conformance-json=$(REPORTS)/conformance.json \
-	  --junitxml=$(REPORTS)/conformance.xml $(PYTEST_ARGS)
+	$(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
+	  --conformance-json=$(REPORTS)/conformance.json \
+	  --conformance-html=$(REPORTS)/conformance.html \
+	  --conformance-markdown=$(REPORTS)/conformance.md $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
+	$(BIN)/check-jsonschema --builtin-schema vendor.dependabot .github/dependabot.yml
+	$(BIN)/zizmor --offline .
 
 # The engine self-tests need dockerd and podman: installed when missing, started when not
 # running, and those this target started are stopped at the end.
-test: venv host-packages lint
+test: venv host-packages test-packages lint
 	@$(ENGINES) install
 	@started="$$($(ENGINES) start)"; rc=0; \
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \

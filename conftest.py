@@ -9,23 +9,23 @@ a release gate must never go green by skipping.
 from __future__ import annotations
 
 import functools
-import json
+import os
+import socket
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from conformance import requirements
+from conformance.report import Entry, Results, entry, text_table, to_markdown, write
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver, Sandbox
 from drivers.host import GpuHost, HostConfig
 from drivers.spec import SandboxSpec
-
-ROOT = Path(__file__).parent
-REQUIREMENTS_FILE = ROOT / "conformance" / "REQUIREMENTS.yaml"
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Settings:
     session_id: str
     image: str | None
     reclaim_timeout_s: float
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Driver → why it cannot run here, once its probe said so (in this process)."""
 
     @functools.cached_property
     def host(self) -> GpuHost:
@@ -94,7 +96,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         type=Path,
         default=None,
-        help="Write each test's requirement, driver and outcome to PATH as JSON.",
+        help="Write each test's requirement, driver and outcome, the matrix and the "
+        "verdicts to PATH as JSON (python -m conformance.report renders it again).",
+    )
+    group.addoption(
+        "--conformance-html",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="Write the conformance matrix to PATH as one self-contained HTML page.",
+    )
+    group.addoption(
+        "--conformance-markdown",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="Write a Markdown summary to PATH, and append it to $GITHUB_STEP_SUMMARY if set.",
     )
 
 
@@ -159,25 +176,38 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _select_requirements(config, items)
-    applies = _applicability()
+    golden = requirements.load()
     for item in items:
         marker = item.get_closest_marker("requirement")
-        params = getattr(item, "callspec", None)
-        driver = params.params.get("driver") if params else None
+        driver = _driver_of(item)
         if marker:
             item.user_properties.append(("requirement", marker.args[0]))
         if driver:
             item.user_properties.append(("driver", driver))
             # Every GPU test shares the host's GPUs: under xdist they run in one worker.
             item.add_marker(pytest.mark.xdist_group("gpu-host"))
-            if (
-                marker
-                and driver in REGISTRY
-                and driver not in applies.get(marker.args[0], REGISTRY)
-            ):
+        if marker and driver:
+            # The JUnit test case's properties: what was checked, on what, and how it counts.
+            level = golden.level(marker.args[0], driver)
+            gpus = _gpu_properties(config.stash[settings_key].host)
+            item.user_properties += [("level", level), *gpus.items()]
+            if level == "not applicable":
                 item.add_marker(
                     pytest.mark.skip(reason=f"{marker.args[0]} does not apply to {driver}")
                 )
+
+
+def _driver_of(item: pytest.Item) -> str | None:
+    params = getattr(item, "callspec", None)
+    return params.params.get("driver") if params else None
+
+
+def _gpu_properties(host: GpuHost) -> dict[str, Any]:
+    return {
+        "gpu_model": ", ".join(sorted({gpu.name for gpu in host.gpus})),
+        "gpu_count": len(host.gpus),
+        "simulated": "true" if host.simulated else "false",
+    }
 
 
 def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -185,7 +215,7 @@ def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> Non
     if not option:
         return
     wanted = {name.strip() for name in option.split(",") if name.strip()}
-    unknown = wanted - set(_applicability())
+    unknown = wanted - set(requirements.load().by_id)
     if unknown:
         raise pytest.UsageError(f"--requirement: unknown requirement(s) {sorted(unknown)}")
 
@@ -195,14 +225,6 @@ def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> Non
 
     config.hook.pytest_deselected(items=[item for item in items if not selected(item)])
     items[:] = [item for item in items if selected(item)]
-
-
-@functools.cache
-def _applicability() -> dict[str, list[str]]:
-    if not REQUIREMENTS_FILE.exists():
-        return {}
-    entries = yaml.safe_load(REQUIREMENTS_FILE.read_text())["requirements"]
-    return {entry["id"]: entry["drivers"] for entry in entries}
 
 
 @pytest.fixture(scope="session")
@@ -217,6 +239,7 @@ def driver(request: pytest.FixtureRequest, gpu_host: GpuHost) -> Iterator[Driver
     instance = settings.drivers[name](gpu_host, settings.session_id, settings.image)
     availability = instance.probe()
     if not availability.ok:
+        settings.unavailable[name] = availability.reason
         if settings.explicit:
             pytest.fail(
                 f"{name} was named in --driver but cannot run: {availability.reason}",
@@ -245,6 +268,9 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     driver: Driver = request.getfixturevalue("driver")
     if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
+        properties = request.node.user_properties
+        properties[:] = [(k, v) for k, v in properties if k != "level"]
+        properties.append(("level", "not applicable"))
         pytest.skip(f"not applicable: the {driver.name} driver shares GPUs (exclusive=False)")
     marker = request.node.get_closest_marker("gpus")
     have = len(driver.inventory())
@@ -288,115 +314,112 @@ def settings(pytestconfig: pytest.Config) -> Settings:
 
 # -- the per-requirement report ---------------------------------------------------------
 
+_ENTRIES: list[Entry] = []
+results_key = pytest.StashKey[Results]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """Mark the tests of a driver that could not run with the reason, for the report."""
+    try:
+        return (yield)
+    finally:
+        reason = item.config.stash[settings_key].unavailable.get(_driver_of(item) or "")
+        if reason is not None:
+            item.user_properties.append(("unavailable", reason))
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    props = dict(report.user_properties)
-    if "requirement" not in props or "driver" not in props:
-        return
-    if report.when != "call" and not (report.failed or report.skipped):
-        return
-    outcome = "error" if report.failed and report.when != "call" else report.outcome
-    _REPORTS.append(
-        {
-            "nodeid": report.nodeid,
-            "requirement": str(props["requirement"]),
-            "driver": str(props["driver"]),
-            "outcome": outcome,
-            "message": _message(report),
-        }
+    found = entry(report)
+    if found is not None:
+        _ENTRIES.append(found)
+
+
+def _results(config: pytest.Config) -> Results:
+    settings = config.stash[settings_key]
+    host = settings.host
+    golden = requirements.load()
+    gpus = _gpu_properties(host)
+    return Results(
+        header={
+            "session": settings.session_id,
+            "simulated": host.simulated is not None,
+            "host": host.describe(),
+            "hostname": socket.gethostname(),
+            "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu_model": gpus["gpu_model"],
+            "gpu_count": gpus["gpu_count"],
+        },
+        drivers={
+            name: {"version": _version(cls, settings), "explicit": settings.explicit}
+            for name, cls in settings.drivers.items()
+        },
+        requirements=[
+            {
+                "id": req.id,
+                "statement": req.statement,
+                "levels": {name: golden.level(req.id, name) for name in settings.drivers},
+            }
+            for req in golden.requirements
+        ],
+        tests=list(_ENTRIES),
     )
 
 
-_REPORTS: list[dict[str, str]] = []
-
-
-def _message(report: pytest.TestReport) -> str:
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2])
-    if report.failed:
-        crash = getattr(report.longrepr, "reprcrash", None)
-        message = getattr(crash, "message", None) or str(report.longrepr).strip()
-        return str(message).splitlines()[0][:300]
-    return ""
-
-
-def requirement_matrix(
-    reports: list[dict[str, str]], requirements: list[str], drivers: list[str]
-) -> dict[str, dict[str, str]]:
-    """Requirement → driver → one verdict over its tests.
-
-    ``failed`` if any failed; ``passed`` if all passed; ``partial`` if some passed and the
-    rest were skipped (e.g. for want of GPUs); ``skipped`` if all were; ``not run`` for a
-    requirement of the golden list that no selected test covered.
-    """
-    outcomes: dict[tuple[str, str], set[str]] = {}
-    for entry in reports:
-        outcome = "failed" if entry["outcome"] == "error" else entry["outcome"]
-        outcomes.setdefault((entry["requirement"], entry["driver"]), set()).add(outcome)
-    matrix: dict[str, dict[str, str]] = {}
-    for requirement in sorted({*requirements, *(req for req, _ in outcomes)}):
-        row = matrix[requirement] = {}
-        for driver in drivers:
-            seen = outcomes.get((requirement, driver), set())
-            if not seen:
-                row[driver] = "not run"
-            elif "failed" in seen:
-                row[driver] = "failed"
-            elif seen == {"passed"}:
-                row[driver] = "passed"
-            elif "passed" in seen:
-                row[driver] = "partial"
-            else:
-                row[driver] = "skipped"
-    return matrix
-
-
-def _nothing_ran(reports: list[dict[str, str]]) -> bool:
-    return bool(reports) and all(entry["outcome"] == "skipped" for entry in reports)
+def _version(cls: type[Driver], settings: Settings) -> str:
+    try:
+        return cls(settings.host, settings.session_id, settings.image).version()
+    except Exception as exc:  # a report must not be lost to a driver's bug
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    # A run in which every driver was skipped checked nothing: it must not pass.
-    passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
-    worker = hasattr(session.config, "workerinput")
-    if not worker and session.exitstatus in passing and _nothing_ran(_REPORTS):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    config = terminalreporter.config
-    if hasattr(config, "workerinput") or not _REPORTS:
+    config = session.config
+    if hasattr(config, "workerinput") or not _ENTRIES:
         return
-    settings = config.stash[settings_key]
-    drivers = [name for name in settings.drivers if any(e["driver"] == name for e in _REPORTS)]
-    matrix = requirement_matrix(_REPORTS, list(_applicability()), drivers)
+    results = config.stash[results_key] = _results(config)
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        # A run in which every driver was skipped checked nothing: it must not pass.
+        if results.nothing_ran or results.gate_fails():
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif (
+        session.exitstatus == pytest.ExitCode.TESTS_FAILED
+        and not results.gate_fails()
+        and session.testsfailed == results.optional_failures()
+    ):
+        # Only optional requirements failed: reported, but they do not gate.
+        session.exitstatus = pytest.ExitCode.OK
+    markdown = config.getoption("--conformance-markdown")
+    write(
+        results,
+        config.getoption("--conformance-json"),
+        config.getoption("--conformance-html"),
+        markdown,
+    )
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if markdown and step_summary:
+        with open(step_summary, "a", encoding="utf-8") as summary:
+            summary.write(to_markdown(results))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
+    """The matrix and the verdicts, last: after pytest's failures and short summary."""
+    yield
+    results = terminalreporter.config.stash.get(results_key, None)
+    if results is None:
+        return
+    write_line = terminalreporter.write_line
     terminalreporter.section("conformance by requirement")
-    host = settings.host
-    terminalreporter.write_line(f"GPU host: {host.describe()}")
-    if host.simulated:
-        terminalreporter.write_line("These results used SIMULATED GPUs.")
-    if _nothing_ran(_REPORTS):
-        terminalreporter.write_line(
-            "FAIL: no driver could run here; every conformance test was skipped.", red=True
-        )
-    width = max(len(req) for req in matrix) + 2
-    terminalreporter.write_line("requirement".ljust(width) + "".join(d.ljust(12) for d in drivers))
-    for req in sorted(matrix):
-        cells = "".join(matrix[req].get(name, "-").ljust(12) for name in drivers)
-        terminalreporter.write_line(req.ljust(width) + cells)
-    path = config.getoption("--conformance-json")
-    if path:
-        path.write_text(
-            json.dumps(
-                {
-                    "session": settings.session_id,
-                    "simulated": host.simulated is not None,
-                    "host": host.describe(),
-                    "tests": _REPORTS,
-                    "matrix": matrix,
-                },
-                indent=2,
-            )
-        )
+    write_line(f"GPU host: {results.header['host']}")
+    if results.header["simulated"]:
+        write_line("These results used SIMULATED GPUs.")
+    for line in text_table(results):
+        write_line(line)
+    terminalreporter.section("verdict")
+    if results.nothing_ran:
+        write_line("FAIL: no driver could run here; every conformance test was skipped.", red=True)
+    for verdict in results.verdicts:
+        write_line(verdict.line, red=verdict.status != "PASS", green=verdict.status == "PASS")

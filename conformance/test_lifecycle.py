@@ -49,7 +49,7 @@ def test_killed_sandbox_gpus_are_reclaimed(
     successor = wait_until(
         lambda: sandboxes(spec),
         timeout_s=settings.reclaim_timeout_s,
-        what=f"re-taking the GPUs of killed sandbox {victim.id}",
+        what=f"the GPUs of killed sandbox {victim.id} to come back",
         retry_on=(GpusExhausted,),
     )
     assert set(uuids(successor)) & set(uuids(victim)), (
@@ -73,7 +73,7 @@ def test_gpus_of_a_dead_creator_are_reclaimed(
     successor = wait_until(
         lambda: sandboxes(spec),
         timeout_s=settings.reclaim_timeout_s,
-        what="re-taking the GPUs of a sandbox whose creator was killed",
+        what="the GPUs of a sandbox whose creator was killed to come back",
         retry_on=(GpusExhausted,),
     )
     assert set(uuids(successor)) & set(reply["gpus"])

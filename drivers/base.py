@@ -142,6 +142,14 @@ class Driver(ABC):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         """The exact, driver-native IDs that name ``gpu`` in ``gpu_device_ids``."""
 
+    def version(self) -> str:
+        """What the driver runs on, for reports (e.g. ``bubblewrap 0.8.0``); "" if unknown.
+
+        Quick and without side effects. Where the driver cannot run it may raise; the
+        reports then say "unknown" and why.
+        """
+        return ""
+
     def validate(self, spec: SandboxSpec) -> GpuPlan | None:
         """Validate the GPU request against this driver; ``None`` means no GPU."""
         return validate_gpu_request(spec, self.name, self.capabilities)

@@ -39,10 +39,15 @@ from drivers.wait import wait_until
 
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
+START_ATTEMPTS = 3
+"""bwrap copies the host's mount tree for its read-only root and fails when a mount vanishes
+while it does (a container stopping on the host); the next try sees the new mount table."""
+_MOUNT_CHURN = "Unable to apply mount flags: remount"
 CLOSE_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 5.0
 """After SIGKILL a process is gone in milliseconds; seconds mean something holds its pipes."""
 REAP_TIMEOUT_S = 10.0
+VERSION_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -138,6 +143,20 @@ class ReferenceDriver(Driver):
             )
         return Availability(True)
 
+    def version(self) -> str:
+        try:
+            result = subprocess.run(
+                [tool("bwrap"), "--version"],
+                capture_output=True,
+                text=True,
+                check=False,
+                env=HOST_ENV,
+                timeout=VERSION_TIMEOUT_S,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return result.stdout.strip() if result.returncode == 0 else ""
+
     def inventory(self) -> tuple[GpuDevice, ...]:
         return self.host.gpus
 
@@ -182,7 +201,10 @@ class ReferenceDriver(Driver):
 
         # SIGKILL is delivered asynchronously: wait until the processes are really gone.
         wait_until(
-            all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
+            all_gone,
+            timeout_s=REAP_TIMEOUT_S,
+            what=f"the sandboxes of session {session_id} to exit",
+            retry_on=(ProcessLookupError,),
         )
         released = self.host.leases.release_session(session_id)
         return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
@@ -242,7 +264,7 @@ class ReferenceSandbox(Sandbox):
         self._env = driver.sandbox_env(env)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._process, self._child_pid, self._child_start = self._start(
+        self._process, self._child_pid, self._child_start = self._start_retrying(
             driver.bwrap_argv(sandbox_id, gpus)
         )
         try:
@@ -255,6 +277,15 @@ class ReferenceSandbox(Sandbox):
     def pid(self) -> int:
         """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
         return self._process.pid
+
+    def _start_retrying(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+        for _ in range(START_ATTEMPTS - 1):
+            try:
+                return self._start(argv)
+            except SandboxStartError as exc:
+                if _MOUNT_CHURN not in str(exc):
+                    raise
+        return self._start(argv)
 
     def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
         """Start bwrap; return it, the sandbox init's host pid and that pid's start time."""

@@ -1,12 +1,54 @@
-"""Bounded waiting with a diagnostic: every wait in the suite goes through ``wait_until``."""
+"""Bounded waiting with a diagnostic: every wait in the suite goes through ``wait_until``.
+
+A wait that lasts says so: after ``PROGRESS_AFTER_S`` a line on stderr names what it is
+waiting for and for how long, repeated at most every ``PROGRESS_EVERY_S``. Short waits,
+which are nearly all of them, print nothing.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 T = TypeVar("T")
+
+PROGRESS_AFTER_S = 2.0
+"""Creating, reaping and probing take milliseconds; two seconds means something is slow."""
+PROGRESS_EVERY_S = 5.0
+"""Often enough to show the run is alive, rarely enough not to flood a CI log."""
+
+
+class Progress:
+    """Prints ``waiting for <what> (<n> s)`` to stderr once a wait has lasted, throttled.
+
+    Call ``tick()`` on each round of a wait; it prints only when a line is due.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        after_s: float = PROGRESS_AFTER_S,
+        every_s: float = PROGRESS_EVERY_S,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what = what
+        self.every_s = every_s
+        self.stream = stream
+        self.clock = clock
+        self.start = clock()
+        self.due = self.start + after_s
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now < self.due:
+            return
+        stream = self.stream or sys.stderr  # looked up late: pytest swaps sys.stderr
+        print(f"waiting for {self.what} ({now - self.start:.0f} s)", file=stream, flush=True)
+        self.due = now + self.every_s
 
 
 def wait_until(
@@ -19,17 +61,19 @@ def wait_until(
 ) -> T:
     """Call ``attempt`` until it returns without raising one of ``retry_on``.
 
-    Raises ``TimeoutError`` naming ``what``, the time waited and the last error.
+    ``what`` completes "waiting for ...". Raises ``TimeoutError`` naming ``what``, the time
+    waited and the last error; says on stderr what it waits for once the wait has lasted.
     """
-    start = time.monotonic()
+    progress = Progress(what)
     while True:
         try:
             return attempt()
         except retry_on as exc:
-            elapsed = time.monotonic() - start
+            elapsed = progress.clock() - progress.start
             if elapsed >= timeout_s:
                 raise TimeoutError(
-                    f"{what}: still failing after {elapsed:.1f} s "
+                    f"gave up waiting for {what} after {elapsed:.1f} s "
                     f"(last error: {type(exc).__name__}: {exc})"
                 ) from exc
+        progress.tick()
         time.sleep(interval_s)

@@ -51,7 +51,7 @@ def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
 def test_catalogue_passes_on_the_real_engine(
     pytester: pytest.Pytester, tmp_path: Path, engine_host: GpuHost, engine: str
 ) -> None:
-    result = run_catalogue(pytester, tmp_path, engine, sim_root=engine_host.config.sim_root)
+    result, _ = run_catalogue(pytester, tmp_path, engine, sim_root=engine_host.config.sim_root)
     verdicts = {req: cells[engine] for req, cells in result["matrix"].items()}
     required = golden_ids()
     assert set(verdicts) >= required
@@ -68,7 +68,7 @@ def test_catalogue_fails_the_broken_container_driver(
     broken: type[broken_containers.BrokenContainerDriver],
 ) -> None:
     name = f"tests.broken_containers:{broken.__name__}"
-    result = run_catalogue(
+    result, _ = run_catalogue(
         pytester,
         tmp_path,
         name,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conformance import requirements
 from drivers import simgpu
 from tests import broken_containers
 from tests.broken_drivers import ALL, BrokenDriver
@@ -31,14 +32,14 @@ def run_catalogue(
     gpus: int = 8,
     *args: str,
     sim_root: Path | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], pytest.RunResult]:
     """Run the conformance catalogue against ``driver``; ``args`` go to pytest.
 
     The host is a fresh simulated one of ``gpus`` GPUs, unless ``sim_root`` names one.
     """
     root = sim_root or simgpu.setup(tmp_path / "sim", gpus).root
     report = tmp_path / "conformance.json"
-    pytester.runpytest_subprocess(
+    run = pytester.runpytest_subprocess(
         str(ROOT / "conformance"),
         f"--rootdir={ROOT}",
         "-c",
@@ -54,7 +55,7 @@ def run_catalogue(
     )
     assert report.exists(), "the catalogue run wrote no report"
     result: dict[str, Any] = json.loads(report.read_text())
-    return result
+    return result, run
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:
@@ -68,7 +69,7 @@ def test_catalogue_fails_the_broken_driver(
     pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
 ) -> None:
     name = f"tests.broken_drivers:{broken.__name__}"
-    result = run_catalogue(pytester, tmp_path, name)
+    result, run = run_catalogue(pytester, tmp_path, name)
     outcomes = {req: cells.get(name) for req, cells in result["matrix"].items()}
     assert outcomes.get(broken.BREAKS) == "failed", (
         f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}, "
@@ -81,25 +82,25 @@ def test_catalogue_fails_the_broken_driver(
         if test["requirement"] == broken.BREAKS and test["outcome"] == "failed"
     ]
     assert caught, f"{broken.BREAKS} only errored for {broken.__name__}: {result['tests']}"
-
-
-def applicable_to(driver: str) -> set[str]:
-    text = (ROOT / "conformance" / "REQUIREMENTS.yaml").read_text()
-    entries = yaml.safe_load(text)["requirements"]
-    return {str(entry["id"]) for entry in entries if driver in entry["drivers"]}
+    # The release gate: the verdict names the broken requirement, and the run fails.
+    run.stdout.fnmatch_lines([f"{name}: FAIL — *{broken.BREAKS}*"])
+    assert run.ret == pytest.ExitCode.TESTS_FAILED
 
 
 def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
-    result = run_catalogue(pytester, tmp_path, "reference")
+    result, run = run_catalogue(pytester, tmp_path, "reference")
     assert result["simulated"] is True
     required = golden_ids()
     verdicts = {req: cells["reference"] for req, cells in result["matrix"].items()}
+    profile = requirements.load().profile("reference")
     expected = {
-        req: "passed" if req in applicable_to("reference") else "skipped" for req in required
+        req: "not applicable" if profile[req] == "not applicable" else "passed" for req in required
     }
     assert {req: verdicts.get(req) for req in required} == expected
     # The catalogue alone leaves the workload lane's requirements to the workload run.
-    assert {verdicts[req] for req in set(verdicts) - required} <= {"not run"}
+    assert {verdicts[req] for req in set(verdicts) - required} <= {"not run", "not applicable"}
+    run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -107,8 +108,10 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
     """On 1 or 2 GPUs what needs more is skipped with the reason; nothing fails."""
-    result = run_catalogue(pytester, tmp_path, "reference", gpus)
+    result, run = run_catalogue(pytester, tmp_path, "reference", gpus)
     verdicts = {req: result["matrix"][req]["reference"] for req in golden_ids()}
-    assert set(verdicts.values()) <= {"passed", "partial", "skipped"}, verdicts
+    assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, verdicts
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]
     assert all("needs" in message or "does not apply" in message for message in skips), skips
+    run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK

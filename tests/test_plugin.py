@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -11,9 +13,11 @@ from drivers import simgpu
 ROOT = Path(__file__).parent.parent
 
 
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def run(
+    pytester: pytest.Pytester, *args: str, tests: str = "test_visibility.py"
+) -> pytest.RunResult:
     return pytester.runpytest_subprocess(
-        str(ROOT / "conformance" / "test_visibility.py"),
+        str(ROOT / "conformance" / tests),
         f"--rootdir={ROOT}",
         "-c",
         str(ROOT / "pytest.ini"),
@@ -45,7 +49,11 @@ def test_explicit_driver_that_cannot_run_fails_the_run(
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
-        ["*was named in --driver but cannot run: needed the frobnicator service (found:*"]
+        [
+            "*was named in --driver but cannot run: needed the frobnicator service (found:*",
+            "*= verdict =*",
+            "tests.fake_drivers:UnavailableDriver: NOT RUN — needed the frobnicator service*",
+        ]
     )
     assert result.parseoutcomes().get("passed", 0) == 0
 
@@ -61,7 +69,9 @@ def test_default_driver_that_cannot_run_is_skipped_and_the_run_fails(
     result.stdout.fnmatch_lines(["*SKIPPED*reference: needed NVIDIA GPUs (found none*"])
     # ...and a run in which no driver could run checked nothing: it does not pass.
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["FAIL: no driver could run here*"])
+    result.stdout.fnmatch_lines(
+        ["FAIL: no driver could run here*", "reference: NOT RUN — needed NVIDIA GPUs (found none*"]
+    )
 
 
 def test_report_header_says_the_gpus_are_simulated(
@@ -97,3 +107,95 @@ def test_reap_option_removes_a_sessions_sandboxes(
     assert driver.sandboxes("left-behind") == []
     assert driver.host.leases.leases() == []
     sandbox.close()
+
+
+def test_reports_carry_requirement_driver_and_gpus(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = simgpu.setup(tmp_path / "sim", 2)
+    out = tmp_path / "reports"
+    step_summary = tmp_path / "step-summary.md"
+    step_summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    result = run(
+        pytester,
+        "--driver=reference",
+        f"--sim-root={host.root}",
+        "-k",
+        "no_gpu_request or default_request",
+        f"--junitxml={out / 'conformance.xml'}",
+        f"--conformance-json={out / 'conformance.json'}",
+        f"--conformance-html={out / 'conformance.html'}",
+        f"--conformance-markdown={out / 'conformance.md'}",
+    )
+    assert result.ret == pytest.ExitCode.OK
+    expected = {"driver": "reference", "gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": "2"}
+    cases = ElementTree.parse(out / "conformance.xml").getroot().iter("testcase")
+    properties = [{p.get("name"): p.get("value") for p in case.iter("property")} for case in cases]
+    assert len(properties) == 2
+    for props in properties:
+        assert props == {
+            **expected,
+            "requirement": props["requirement"],
+            "level": "mandatory",
+            "simulated": "true",
+        }
+    assert {props["requirement"] for props in properties} == {"GPU-NONE-01", "GPU-DEFAULT-01"}
+    document = json.loads((out / "conformance.json").read_text())
+    for test in document["tests"]:
+        assert test["gpu_count"] == 2
+        assert test["simulated"] is True
+        assert test["gpu_model"] == expected["gpu_model"]
+    assert document["drivers"]["reference"]["version"].startswith("bubblewrap ")
+    assert document["verdicts"]["reference"]["status"] == "PASS"
+    markdown = (out / "conformance.md").read_text()
+    assert step_summary.read_text() == "earlier step\n" + markdown
+    assert "| GPU-NONE-01 | ✅ pass |" in markdown
+    assert 'class="cell passed"' in (out / "conformance.html").read_text()
+
+
+def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    # A profile in which GPU-DEFAULT-02, which this planted driver breaks, is optional.
+    pytester.makepyfile(
+        optional_profile="""
+        import dataclasses
+
+        NAME = "tests.broken_drivers:RoundRobin"
+
+        def pytest_configure(config):
+            from conformance import requirements
+
+            golden = requirements.load()
+            entries = tuple(
+                dataclasses.replace(
+                    entry,
+                    drivers=(*entry.drivers, NAME),
+                    optional=(NAME,) if entry.id == "GPU-DEFAULT-02" else (),
+                )
+                for entry in golden.requirements
+            )
+            profile = requirements.GoldenList((*golden.drivers, NAME), entries)
+            requirements.load = lambda: profile
+        """
+    )
+    host = simgpu.setup(tmp_path / "sim", 2)
+    result = run(
+        pytester,
+        "-p",
+        "optional_profile",
+        "--driver=tests.broken_drivers:RoundRobin",
+        f"--sim-root={host.root}",
+        "-k",
+        "default_request",
+        tests="test_selection.py",
+    )
+    assert result.parseoutcomes().get("failed", 0) > 0
+    result.stdout.fnmatch_lines(
+        [
+            "tests.broken_drivers:RoundRobin: PASS (0/* mandatory passed, * not fully checked: "
+            "GPU-NONE-01, GPU-DEFAULT-01, GPU-COUNT-01, GPU-EXACT-01 and * more; 1 optional failed)"
+        ]
+    )
+    assert result.ret == pytest.ExitCode.OK

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -13,19 +15,19 @@ from drivers import simgpu
 from drivers.errors import SandboxExecError, SandboxStartError
 from drivers.gpus import DeviceNode, GpuDevice
 from drivers.host import GpuHost, HostConfig
-from drivers.reference import ReferenceDriver
+from drivers.reference import ReferenceDriver, ReferenceSandbox
 from drivers.spec import SandboxSpec
-
-SESSION = "reference-self-test"
 
 
 @pytest.fixture
 def reference(sim_host: simgpu.SimulatedHost) -> Iterator[ReferenceDriver]:
-    driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=sim_host.root)), SESSION)
+    # A session of this test's own: under xdist another worker reaps its own concurrently.
+    session = f"reference-self-test-{uuid.uuid4().hex[:8]}"
+    driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=sim_host.root)), session)
     if not driver.probe().ok:
         pytest.skip(driver.probe().reason)
     yield driver
-    driver.reap(SESSION)
+    driver.reap(session)
 
 
 def test_commands_run_without_capabilities(reference: ReferenceDriver) -> None:
@@ -60,11 +62,13 @@ def test_exec_after_close_or_kill_is_an_error(reference: ReferenceDriver) -> Non
 
 def test_a_failed_start_leaves_nothing(reference: ReferenceDriver) -> None:
     missing = DeviceNode("/dev/nvidiactl", 195, 255, "/nonexistent/nvidiactl")
-    broken = ReferenceDriver(dataclasses.replace(reference.host, control_nodes=(missing,)), SESSION)
+    broken = ReferenceDriver(
+        dataclasses.replace(reference.host, control_nodes=(missing,)), reference.session_id
+    )
     with pytest.raises(SandboxStartError, match="nonexistent"):
         broken.create(SandboxSpec.with_gpus())
     assert reference.host.leases.leases() == []
-    assert reference.sandboxes(SESSION) == []
+    assert reference.sandboxes(reference.session_id) == []
 
 
 def test_a_sandbox_outlives_the_thread_that_created_it(reference: ReferenceDriver) -> None:
@@ -81,7 +85,7 @@ def test_host_state_is_hidden_from_the_sandbox(
 ) -> None:
     state = Path("/var/tmp") / f"gpu-state-{id(reference)}"
     host = GpuHost.open(HostConfig(sim_root=sim_host.root, state_dir=state))
-    driver = ReferenceDriver(host, SESSION)
+    driver = ReferenceDriver(host, reference.session_id)
     try:
         with driver.create(SandboxSpec.with_gpus()) as sandbox:
             assert (state / "leases.json").exists()
@@ -100,6 +104,48 @@ def test_probe_tries_the_sandbox_command_line_itself(reference: ReferenceDriver)
         def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
             return [*super().bwrap_argv(sandbox_id, gpus), "--option-from-the-future"]
 
-    availability = NeedsANewerBwrap(reference.host, SESSION).probe()
+    availability = NeedsANewerBwrap(reference.host, reference.session_id).probe()
     assert not availability.ok
     assert "--option-from-the-future" in availability.reason
+
+
+def test_version_names_the_bwrap_it_runs_on(
+    reference: ReferenceDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert reference.version().startswith("bubblewrap ")
+    monkeypatch.setattr("drivers.reference.tool", lambda name: "/nonexistent/bwrap")
+    assert reference.version() == ""
+
+
+MOUNT_RACE = (
+    "bwrap: Can't bind mount /oldroot/ on /newroot/: Unable to apply mount flags: remount "
+    '"/newroot/var/lib/docker/overlay2/0123/merged": Invalid argument'
+)
+
+
+@pytest.mark.parametrize(
+    ("failures", "started"),
+    [([MOUNT_RACE, MOUNT_RACE], True), (["bwrap: No permissions to create new namespace"], False)],
+)
+def test_only_a_start_that_lost_a_race_with_host_mounts_is_tried_again(
+    reference: ReferenceDriver,
+    monkeypatch: pytest.MonkeyPatch,
+    failures: list[str],
+    started: bool,
+) -> None:
+    start = ReferenceSandbox._start
+    pending = list(failures)
+
+    def flaky(self: ReferenceSandbox, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+        if pending:
+            raise SandboxStartError(f"sandbox {self.id} did not start: {pending.pop(0)}")
+        return start(self, argv)
+
+    monkeypatch.setattr(ReferenceSandbox, "_start", flaky)
+    if started:
+        with reference.create(SandboxSpec.with_gpus()) as sandbox:
+            assert sandbox.exec(["true"]).returncode == 0
+    else:
+        with pytest.raises(SandboxStartError, match="No permissions"):
+            reference.create(SandboxSpec.with_gpus())
+    assert reference.host.leases.leases() == []

@@ -54,11 +54,12 @@ def test_on_simulated_gpus_every_workload_skips_with_the_reason(
 ) -> None:
     result = run_lane(pytester, sim_host)
     result.assert_outcomes(skipped=len(load_manifest(MANIFEST)))
+    # The matrix (rows in the golden list's order) closes the output, after the skips.
     result.stdout.fnmatch_lines(
         [
-            "WORKLOAD-CONTROL-01*skipped*",
-            "WORKLOAD-CUDA-01*skipped*",
             "SKIPPED*no CUDA device: the GPUs are simulated (8 x NVIDIA H100*simulated GPUs*",
+            "WORKLOAD-CUDA-01*skipped*",
+            "WORKLOAD-CONTROL-01*skipped*",
         ]
     )
 

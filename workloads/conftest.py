@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import REQUIREMENTS_FILE
+from conformance import requirements
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from workloads.manifest import MANIFEST, Workload, load_manifest
@@ -49,9 +48,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def manifest(config: pytest.Config) -> tuple[Workload, ...]:
     """The manifest's workloads, loaded once; a bad manifest fails the collection."""
     if _manifest_key not in config.stash:
-        golden = yaml.safe_load(REQUIREMENTS_FILE.read_text())["requirements"]
         config.stash[_manifest_key] = load_manifest(
-            config.getoption("--workload-manifest"), {str(entry["id"]) for entry in golden}
+            config.getoption("--workload-manifest"), set(requirements.load().by_id)
         )
     return config.stash[_manifest_key]
 

@@ -1,0 +1,286 @@
+"""The report: cells, verdicts and gating from test entries; the HTML and Markdown pages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from conformance import requirements
+from conformance.report import Entry, Results, main, to_html, to_markdown, write
+
+ROOT = Path(__file__).parent.parent
+REPORTS = ROOT / "reports"
+HOSTILE = "<script>alert('x')</script> | `&` \"quoted\""
+
+
+def make_entry(
+    requirement: str,
+    driver: str,
+    outcome: str = "passed",
+    message: str = "",
+    *,
+    level: str = "mandatory",
+    unavailable: str = "",
+) -> Entry:
+    return Entry(
+        nodeid=f"conformance/test_x.py::test_{requirement.lower()}[{driver}]",
+        requirement=requirement,
+        driver=driver,
+        level=level,
+        outcome=outcome,
+        message=message,
+        unavailable=unavailable,
+        gpu_model="NVIDIA H100 80GB HBM3",
+        gpu_count=8,
+        simulated=True,
+    )
+
+
+def make_results(
+    tests: list[Entry],
+    drivers: tuple[str, ...] = ("reference",),
+    *,
+    explicit: bool = False,
+    golden: requirements.GoldenList | None = None,
+) -> Results:
+    golden = golden or requirements.load()
+    return Results(
+        header={
+            "session": "s1",
+            "simulated": True,
+            "host": "8 x NVIDIA H100 80GB HBM3 (simulated GPUs under /run/sim)",
+            "hostname": "gpu-box",
+            "generated": "2026-11-22 06:00 UTC",
+            "gpu_model": "NVIDIA H100 80GB HBM3",
+            "gpu_count": 8,
+        },
+        drivers={name: {"version": f"{name} 1.0", "explicit": explicit} for name in drivers},
+        requirements=[
+            {
+                "id": req.id,
+                "statement": req.statement,
+                "levels": {name: golden.level(req.id, name) for name in drivers},
+            }
+            for req in golden.requirements
+        ],
+        tests=tests,
+    )
+
+
+def all_passed(driver: str) -> list[Entry]:
+    return [make_entry(req.id, driver) for req in requirements.load().requirements]
+
+
+def test_a_driver_that_passes_every_mandatory_requirement_passes() -> None:
+    results = make_results(all_passed("reference"))
+    levels = requirements.load().profile("reference").values()
+    total = sum(level == "mandatory" for level in levels)
+    assert [v.line for v in results.verdicts] == [
+        f"reference: PASS ({total}/{total} mandatory passed; 0 optional failed)"
+    ]
+    assert set(results.matrix) == set(requirements.load().by_id)
+    assert not results.gate_fails()
+
+
+def test_a_failed_mandatory_requirement_fails_the_driver_naming_it() -> None:
+    tests = all_passed("docker")
+    tests[2] = make_entry(tests[2]["requirement"], "docker", "failed", "shared GPU 0")
+    tests[5] = make_entry(tests[5]["requirement"], "docker", "error", "setup crashed")
+    results = make_results(tests, ("docker",))
+    first, second = tests[2]["requirement"], tests[5]["requirement"]
+    assert results.verdicts[0].line == (
+        f"docker: FAIL — {first} failed: shared GPU 0 (and 1 more: {second})"
+    )
+    assert results.matrix[first]["docker"] == "failed"
+    assert results.gate_fails()
+
+
+def test_an_optional_failure_is_reported_but_does_not_gate() -> None:
+    golden = requirements.parse(
+        {
+            "drivers": ["kubernetes"],
+            "requirements": [
+                {"id": "A-01", "statement": "MUST", "drivers": ["kubernetes"]},
+                {"id": "B-01", "statement": "MUST", "drivers": ["kubernetes"]},
+                {"id": "C-01", "statement": "MUST", "drivers": [], "optional": []},
+                {
+                    "id": "D-01",
+                    "statement": "MUST",
+                    "drivers": ["kubernetes"],
+                    "optional": ["kubernetes"],
+                },
+            ],
+        }
+    )
+    tests = [
+        make_entry("A-01", "kubernetes"),
+        make_entry("B-01", "kubernetes", "passed"),
+        make_entry("B-01", "kubernetes", "skipped", "needs 4 GPUs (host has 2)"),
+        make_entry("C-01", "kubernetes", "skipped", "C-01 does not apply to kubernetes"),
+        make_entry("D-01", "kubernetes", "failed", "pod outlived", level="optional"),
+    ]
+    results = make_results(tests, ("kubernetes",), golden=golden)
+    assert results.matrix == {
+        "A-01": {"kubernetes": "passed"},
+        "B-01": {"kubernetes": "partial"},
+        "C-01": {"kubernetes": "not applicable"},
+        "D-01": {"kubernetes": "failed"},
+    }
+    assert results.verdicts[0].line == (
+        "kubernetes: PASS (1/2 mandatory passed, 1 not fully checked: B-01; 1 optional failed)"
+    )
+    assert not results.gate_fails()
+    assert results.optional_failures() == 1
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_driver_that_could_not_run_is_not_run_with_the_reason(explicit: bool) -> None:
+    reason = "needed dockerd answering on /var/run/docker.sock (found: no such file)"
+    outcome = "error" if explicit else "skipped"
+    tests = [
+        make_entry(req.id, "docker", outcome, reason, unavailable=reason)
+        for req in requirements.load().requirements
+    ]
+    drivers = ("reference", "docker")
+    results = make_results([*all_passed("reference"), *tests], drivers, explicit=explicit)
+    assert results.verdicts[1].line == f"docker: NOT RUN — {reason}"
+    assert {row["docker"] for row in results.matrix.values()} == {"not run"}
+    # A driver named in --driver must run: its not running fails the gate.
+    assert results.gate_fails() is explicit
+
+
+def test_cells_a_run_did_not_reach_are_not_run() -> None:
+    results = make_results([make_entry("GPU-NONE-01", "reference")])
+    assert results.matrix["GPU-NONE-01"]["reference"] == "passed"
+    assert results.matrix["GPU-COUNT-01"]["reference"] == "not run"
+    assert results.cells["GPU-COUNT-01"]["reference"].message == "no selected test covers it"
+    assert "not fully checked" in results.verdicts[0].line
+
+
+def test_json_round_trip_and_the_command_line_regenerate_the_same_pages(tmp_path: Path) -> None:
+    results = make_results([*all_passed("reference")[1:], make_entry("GPU-NONE-01", "x", "failed")])
+    write(results, json_path=tmp_path / "run.json")
+    document = json.loads((tmp_path / "run.json").read_text())
+    # The keys the first version of the report had keep their meaning.
+    assert {"session", "simulated", "host", "tests", "matrix"} <= set(document)
+    again = Results.from_json(document)
+    assert again.to_json() == document
+    assert main([str(tmp_path / "run.json")]) == 0
+    assert (tmp_path / "run.html").read_text() == to_html(results)
+    assert (tmp_path / "run.md").read_text() == to_markdown(results)
+
+
+def test_pages_escape_everything_they_show() -> None:
+    tests = all_passed("reference")
+    tests[0] = make_entry(tests[0]["requirement"], "reference", "failed", HOSTILE)
+    results = make_results(tests)
+    results.header["hostname"] = "<b>host</b>"
+    page = to_html(results)
+    assert "<script>" not in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "<b>host</b>" not in page
+    markdown = to_markdown(results)
+    assert "<script>" not in markdown
+    assert "\\|" in markdown
+    table = [line for line in markdown.splitlines() if line.startswith("| GPU-")]
+    assert all(line.count(" | ") == 1 for line in table), table
+
+
+# -- the page in a real browser ---------------------------------------------------------
+
+
+def showcase() -> Results:
+    """Every golden driver, and every kind of cell, as a release run could show them."""
+    golden = requirements.load()
+    tests: list[Entry] = []
+    for index, req in enumerate(golden.requirements):
+        tests.append(make_entry(req.id, "reference"))
+        failed = index == 2
+        tests.append(make_entry(req.id, "docker", "failed" if failed else "passed", HOSTILE))
+        reason = "needed podman 4.1+ with CDI (found: podman not on PATH)"
+        tests.append(make_entry(req.id, "podman", "skipped", reason, unavailable=reason))
+        outcome = "skipped" if index % 4 == 3 else "passed"
+        tests.append(make_entry(req.id, "kubernetes", outcome, "needs 2 GPUs (host has 1)"))
+        if index % 5:
+            tests.append(make_entry(req.id, "vm"))
+    return make_results(tests, golden.drivers, golden=golden)
+
+
+def chromium() -> str:
+    """$CHROMIUM, else the first of Debian's, Ubuntu's or Google's build on PATH."""
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    if os.environ.get("CI"):
+        pytest.fail("chromium is missing: make test installs it (apt-get install chromium)")
+    pytest.skip("needed chromium to render the matrix (found none; apt-get install chromium)")
+
+
+def headless(browser: str, profile: Path, *args: str) -> str:
+    """Run chromium headless with nothing that reaches the network; return its stdout."""
+    flags = [
+        "--headless",
+        "--no-sandbox",  # CI runs the suite as root, where chromium's sandbox will not start
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ]
+    done = subprocess.run(
+        [browser, *flags, *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout
+
+
+class CellCounter(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells = self.rows = self.opened = 0
+        self.scripts = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        self.cells += tag == "td" and "cell" in classes
+        self.rows += tag == "tr"
+        self.scripts += tag == "script"
+        self.opened += tag == "details" and "open" in dict(attrs)
+
+
+def test_the_matrix_renders_in_a_browser_one_cell_per_requirement_and_driver(
+    tmp_path: Path,
+) -> None:
+    browser = chromium()
+    results = showcase()
+    REPORTS.mkdir(exist_ok=True)
+    page = REPORTS / "conformance-showcase.html"
+    screenshot = REPORTS / "conformance-showcase.png"
+    write(results, html_path=page)
+    dom = headless(browser, tmp_path / "profile-dom", "--dump-dom", page.as_uri())
+    counter = CellCounter()
+    counter.feed(dom)
+    requirement_count = len(requirements.load().requirements)
+    assert counter.cells == requirement_count * len(results.drivers)
+    assert counter.rows == requirement_count + 1
+    assert counter.scripts == 0, "the hostile message became a script"
+    assert counter.opened == 0, "details are one click away, closed"
+    screenshot.unlink(missing_ok=True)
+    headless(
+        browser,
+        tmp_path / "profile-shot",
+        f"--screenshot={screenshot}",
+        "--window-size=1400,1600",
+        "--hide-scrollbars",
+        page.as_uri(),
+    )
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

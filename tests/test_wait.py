@@ -1,0 +1,62 @@
+"""Bounded waits: they give up with the last error, and say what they wait for when slow."""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import pytest
+
+from drivers.wait import Progress, wait_until
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_is_quiet_for_short_waits_then_throttled() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    progress = Progress("dockerd to answer on /var/run/docker.sock", stream=out, clock=clock)
+    for step in (0.5, 1.0, 1.9):
+        clock.now = 100.0 + step
+        progress.tick()
+    assert out.getvalue() == ""
+    for step in (2.0, 2.5, 4.0, 6.9, 7.0):
+        clock.now = 100.0 + step
+        progress.tick()
+    assert out.getvalue().splitlines() == [
+        "waiting for dockerd to answer on /var/run/docker.sock (2 s)",
+        "waiting for dockerd to answer on /var/run/docker.sock (7 s)",
+    ]
+
+
+def test_wait_until_returns_the_first_success_quietly(capsys: pytest.CaptureFixture[str]) -> None:
+    attempts = iter([ValueError("not yet"), ValueError("not yet"), None])
+
+    def attempt() -> str:
+        error = next(attempts)
+        if error:
+            raise error
+        return "ready"
+
+    assert wait_until(attempt, timeout_s=5, what="the thing", interval_s=0.001) == "ready"
+    assert capsys.readouterr().err == ""
+
+
+def test_wait_until_reports_a_long_wait_and_gives_up_with_the_last_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("drivers.wait.Progress", functools.partial(Progress, after_s=0.0))
+
+    def never() -> None:
+        raise ConnectionRefusedError("connection refused")
+
+    with pytest.raises(TimeoutError) as excinfo:
+        wait_until(never, timeout_s=0.05, what="the daemon", interval_s=0.01)
+    assert str(excinfo.value).startswith("gave up waiting for the daemon after 0.")
+    assert "last error: ConnectionRefusedError: connection refused" in str(excinfo.value)
+    assert capsys.readouterr().err.splitlines()[0] == "waiting for the daemon (0 s)"
