@@ -105,7 +105,7 @@ lint: venv
 # running, and those this target started are stopped at the end.
 test: venv host-packages test-packages lint
 	@$(ENGINES) install
-	@started="$$($(ENGINES) start)"; rc=0; \
+	@started="$$($(ENGINES) start)" || exit 1; rc=0; \
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
 	[ -z "$$started" ] || $(ENGINES) stop $$started; exit $$rc
 
