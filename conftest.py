@@ -147,10 +147,16 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     if session is None:
         return None
     settings = _settings(config)
+    status = 0
     for name, cls in settings.drivers.items():
-        removed = cls(settings.host, session, settings.image).reap(session)
+        try:
+            removed = cls(settings.host, session, settings.image).reap(session)
+        except Exception as exc:  # e.g. an engine that is not running: named, it is an error
+            print(f"{name}: not reaped: {type(exc).__name__}: {exc}")  # noqa: T201
+            status = 1 if settings.explicit else status
+            continue
         print(f"{name}: removed {len(removed)} sandbox(es) of session {session}")  # noqa: T201
-    return 0
+    return status
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -74,17 +74,16 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
                 continue
             try:
                 spec = _read(path)
-            except (OSError, ValueError, yaml.YAMLError) as exc:
-                problems.append(f"{path}: {exc}")
-                continue
-            if spec.get("kind") != CDI_KIND:
-                continue
-            common = _gpu_nodes(spec.get("containerEdits") or {})
-            for device in spec.get("devices") or []:
-                nodes = common | _gpu_nodes(device.get("containerEdits") or {})
-                name = f"{CDI_KIND}={device.get('name')}"
-                devices[name] = frozenset(minor for minor, _ in nodes)
-                sources[name] = frozenset(source for _, source in nodes if source)
+                if spec.get("kind") != CDI_KIND:
+                    continue
+                common = _gpu_nodes(spec.get("containerEdits") or {})
+                for device in spec.get("devices") or []:
+                    nodes = common | _gpu_nodes(device.get("containerEdits") or {})
+                    name = f"{CDI_KIND}={device.get('name')}"
+                    devices[name] = frozenset(minor for minor, _ in nodes)
+                    sources[name] = frozenset(source for _, source in nodes if source)
+            except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as exc:
+                problems.append(f"{path}: {type(exc).__name__}: {exc}")
     return CdiRegistry(_index_names_first(devices), sources, tuple(problems))
 
 

@@ -31,7 +31,13 @@ from typing import ClassVar
 
 from drivers import cdi
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
-from drivers.errors import DuplicateGpuDevice, ExecTimeout, SandboxExecError, SandboxStartError
+from drivers.errors import (
+    DuplicateGpuDevice,
+    ExecTimeout,
+    SandboxExecError,
+    SandboxStartError,
+    UnknownImage,
+)
 from drivers.gpus import CDI_KIND, GpuDevice
 from drivers.ownership import LIVENESS_CHECKS, Holder, LeaseOwner
 from drivers.procfs import each_process
@@ -121,7 +127,7 @@ class ContainerDriver(Driver):
     def has_image(self, image: str) -> bool: ...
 
     engine_errors: ClassVar[tuple[type[Exception], ...]]
-    """What the engine's client library raises when the engine refuses a call."""
+    """What the engine's client library raises when the engine refuses or fails a call."""
 
     @abstractmethod
     def create_container(self, request: ContainerRequest) -> str:
@@ -232,8 +238,21 @@ class ContainerDriver(Driver):
                 spec.env,
             )
         except BaseException:
-            self.host.leases.release(sandbox_id)
+            self.release_unless_container_left(sandbox_id)
             raise
+
+    def release_unless_container_left(self, sandbox_id: str) -> None:
+        """Release a sandbox's leases, unless its container may still exist and hold them.
+
+        Such a lease stays with the container, and the liveness check frees it once the
+        container is gone.
+        """
+        try:
+            left = sandbox_id in self.session_containers(self.session_id)
+        except Exception:  # the engine cannot tell: never free a GPU on a guess
+            left = True
+        if not left:
+            self.host.leases.release(sandbox_id)
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         """Lease the plan's GPUs, held by this process until the container holds them."""
@@ -268,21 +287,34 @@ class ContainerDriver(Driver):
         wait_until(
             all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
         )
-        released = self.host.leases.release_session(session_id)
+        released = self.host.leases.release_session(session_id, driver=self.name)
         for fifo in self.keepalive_dir().glob(f"{session_id}.*"):
             fifo.unlink(missing_ok=True)
         return sorted(set(found) | {lease.sandbox_id for lease in released})
 
-    def start_container(self, request: ContainerRequest) -> str:
-        """Create and start the container; on failure, leave none and say why."""
+    def start_container(self, request: ContainerRequest, sandbox_id: str) -> str:
+        """Create the container, hand it the sandbox's leases, start it; leave none on failure.
+
+        The container holds the leases from before it starts: a creator dying at any point
+        leaves either no container (its process's leases are reclaimed) or a container that
+        holds them until it is removed, never a GPU handed out while a container has it.
+        """
         try:
             container_id = self.create_container(request)
         except self.engine_errors as exc:
+            if not self.has_image(request.image):
+                raise UnknownImage(
+                    "image",
+                    request.image,
+                    f"image '{request.image}' is not in {self.name} ({self.explain(exc)}); the "
+                    "driver never pulls: load or build it first",
+                ) from exc
             raise SandboxStartError(
                 f"{self.name} could not create {request.name} from {request.image}: "
                 f"{self.explain(exc)}"
             ) from exc
         try:
+            self.host.leases.set_holder(sandbox_id, self.holder(container_id))
             self.start_created(container_id)
         except BaseException as exc:
             self.remove_container(container_id)
@@ -331,10 +363,11 @@ class ContainerSandbox(Sandbox):
         self._keepalive = driver.keepalive_dir() / f"{driver.session_id}.{sandbox_id}"
         os.mkfifo(self._keepalive, 0o600)
         self._keepalive_fd = os.open(self._keepalive, os.O_RDWR | os.O_CLOEXEC)
+        _KEEPALIVE_FDS.add(self._keepalive_fd)
         request = ContainerRequest(
             name=f"gpu-sandbox-{sandbox_id}",
             image=image,
-            command=("sh", "-c", f"exec cat {KEEPALIVE_PATH} >/dev/null"),
+            command=("sh", "-c", _KEEPALIVE_SCRIPT),
             labels={
                 SESSION_LABEL: driver.session_id,
                 SANDBOX_LABEL: sandbox_id,
@@ -346,14 +379,9 @@ class ContainerSandbox(Sandbox):
             keepalive=self._keepalive,
         )
         try:
-            self.container_id = driver.start_container(request)
+            self.container_id = driver.start_container(request, sandbox_id)
         except BaseException:
             self._drop_keepalive()
-            raise
-        try:
-            driver.host.leases.set_holder(sandbox_id, driver.holder(self.container_id))
-        except BaseException:
-            self._remove()
             raise
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
@@ -367,6 +395,8 @@ class ContainerSandbox(Sandbox):
         try:
             output = self._driver.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
         except EngineError as exc:
+            if timer.fired:
+                raise ExecTimeout(argv, timeout) from exc
             raise SandboxExecError(
                 f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
             ) from exc
@@ -387,30 +417,51 @@ class ContainerSandbox(Sandbox):
                 return
             self._closed = True
         try:
-            self._remove()
-        finally:
-            self._driver.host.leases.release(self.id)
+            self._driver.remove_container(self.container_id)
+        except BaseException:
+            # The container may still hold the GPUs: its leases stay with it, and close()
+            # may be called again.
+            self._closed = False
+            raise
+        self._drop_keepalive()
+        self._driver.host.leases.release(self.id)
 
     def kill(self) -> None:
         self._driver.kill_container(self.container_id)
 
-    def _remove(self) -> None:
-        try:
-            self._driver.remove_container(self.container_id)
-        finally:
-            self._drop_keepalive()
-
     def _drop_keepalive(self) -> None:
+        _KEEPALIVE_FDS.discard(self._keepalive_fd)
         with contextlib.suppress(OSError):
             os.close(self._keepalive_fd)
         self._keepalive.unlink(missing_ok=True)
+
+
+# The container's main process: it reads the keepalive FIFO until every writer is gone. It
+# opens the FIFO read-write first, which never blocks (a read-only open waits for a writer,
+# forever if the creator died before), then drops its own write end.
+_KEEPALIVE_SCRIPT = f"exec 3<>{KEEPALIVE_PATH} 4<{KEEPALIVE_PATH} 3>&-; exec cat <&4 >/dev/null"
+_KEEPALIVE_FDS: set[int] = set()
+
+
+def _close_keepalives_in_child() -> None:
+    # A child forked without exec would hold the write ends and keep its parent's
+    # containers alive after the parent died.
+    for fd in _KEEPALIVE_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _KEEPALIVE_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_keepalives_in_child)
 
 
 class _Timeout(threading.Timer):
     """Kills, when it fires, every process an exec started: those carrying its marker.
 
     Engines have no call to stop an exec; what an exec starts inherits its environment,
-    setsid or not, so the marker finds it wherever it went in the container.
+    setsid or not, so the marker finds it wherever it went in the container (a process that
+    clears its own environment escapes). Finding them reads the host's /proc: the suite must
+    run as root, or as the user of a rootless engine, for a timeout to kill anything.
     """
 
     def __init__(self, timeout: float, marker: str) -> None:

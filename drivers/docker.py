@@ -18,6 +18,7 @@ from pathlib import Path
 
 import docker
 import docker.errors
+import requests
 from docker.types import DeviceRequest, Mount
 
 from drivers.container import (
@@ -36,7 +37,7 @@ from drivers.container import (
 
 class DockerDriver(ContainerDriver):
     name = "docker"
-    engine_errors = (docker.errors.DockerException,)
+    engine_errors = (docker.errors.DockerException, requests.RequestException)
     url_env = "DOCKER_HOST"
     default_url = "unix:///var/run/docker.sock"
     cli = "docker"
@@ -101,7 +102,7 @@ class DockerDriver(ContainerDriver):
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             stdout, stderr = api.exec_start(exec_id, demux=True)
             returncode = api.exec_inspect(exec_id)["ExitCode"]
-        except docker.errors.DockerException as exc:
+        except self.engine_errors as exc:
             raise EngineError(self.explain(exc)) from exc
         return ExecOutput(returncode, stdout or b"", stderr or b"")
 

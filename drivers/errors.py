@@ -91,6 +91,10 @@ class GpuBusy(GpuAllocationError):
         self.holder = holder
 
 
+class UnknownImage(RequestError, ValueError):
+    """The spec's (or ``--image``'s) image is not in the engine; nothing was allocated."""
+
+
 class SandboxStartError(DriverError):
     """The sandbox could not be started; everything it took has been released."""
 

@@ -169,11 +169,15 @@ class LeaseRegistry:
             leases[:] = kept
             return released
 
-    def release_session(self, session_id: str) -> list[Lease]:
-        """Drop every lease a test session took (what ``reap`` calls)."""
+    def release_session(self, session_id: str, driver: str | None = None) -> list[Lease]:
+        """Drop every lease a test session took, or only ``driver``'s (what ``reap`` calls)."""
+
+        def reaped(lease: Lease) -> bool:
+            return lease.session_id == session_id and driver in (None, lease.driver)
+
         with self._locked() as leases:
-            gone = [lease for lease in leases if lease.session_id == session_id]
-            leases[:] = [lease for lease in leases if lease.session_id != session_id]
+            gone = [lease for lease in leases if reaped(lease)]
+            leases[:] = [lease for lease in leases if not reaped(lease)]
             return gone
 
     def leases(self) -> list[Lease]:
@@ -289,7 +293,7 @@ def _built_in_check(kind: str) -> LivenessCheck | None:
         return None
     try:
         importlib.import_module(target.partition(":")[0])
-    except ImportError:  # its client library is missing here: the holder cannot be judged
+    except Exception:  # its client library is missing or broken: the holder cannot be judged
         return None
     return LIVENESS_CHECKS.get(kind)
 

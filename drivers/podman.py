@@ -10,7 +10,6 @@ GPUs are injected as CDI names in ``devices``; podman 4.3 accepts ``--gpus`` and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import podman
 import podman.errors
+import requests
 
 from drivers import cdi
 from drivers.container import (
@@ -36,7 +36,7 @@ from drivers.container import (
 
 class PodmanDriver(ContainerDriver):
     name = "podman"
-    engine_errors = (podman.errors.PodmanError,)
+    engine_errors = (podman.errors.PodmanError, requests.RequestException)
     url_env = "CONTAINER_HOST"
     default_url = "unix:///run/podman/podman.sock"
     cli = "podman"
@@ -93,7 +93,7 @@ class PodmanDriver(ContainerDriver):
         try:
             container = client.containers.get(container_id)
             returncode, output = container.exec_run(list(argv), environment=dict(env), demux=True)
-        except podman.errors.PodmanError as exc:
+        except self.engine_errors as exc:
             raise EngineError(str(exc)) from exc
         if returncode is None or not isinstance(output, tuple):
             raise EngineError(f"podman gave no exit code for {list(argv)!r}")
@@ -101,8 +101,13 @@ class PodmanDriver(ContainerDriver):
         return ExecOutput(returncode, stdout or b"", stderr or b"")
 
     def remove_container(self, container_id: str) -> None:
-        with contextlib.suppress(podman.errors.NotFound):
+        try:
             self.client.containers.remove(container_id, force=True)
+        except podman.errors.NotFound:
+            pass
+        except podman.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: auto-remove is already removing it
+                raise
 
     def kill_container(self, container_id: str) -> None:
         try:

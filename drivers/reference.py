@@ -206,7 +206,7 @@ class ReferenceDriver(Driver):
             what=f"the sandboxes of session {session_id} to exit",
             retry_on=(ProcessLookupError,),
         )
-        released = self.host.leases.release_session(session_id)
+        released = self.host.leases.release_session(session_id, driver=self.name)
         return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:

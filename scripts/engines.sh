@@ -22,6 +22,8 @@ DOCKER_SOCK=/var/run/docker.sock
 IMAGE=gpu-sandbox-busybox:latest
 IMAGE_PATH=/usr/local/bin:/usr/bin:/bin
 WAIT_S=60
+# A fresh machine's own package runs (cloud-init, unattended upgrades) may hold dpkg's lock.
+APT_LOCK=(-o DPkg::Lock::Timeout=300)
 
 log() { echo "engines: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -29,6 +31,11 @@ die() { log "$*"; exit 1; }
 podman_cli() { CONTAINERS_CONF="$STATE/containers.conf" podman "$@"; }
 podman_answers() { podman --url "unix://$PODMAN_SOCK" version >/dev/null 2>&1; }
 docker_answers() { docker --host "unix://$DOCKER_SOCK" version >/dev/null 2>&1; }
+
+static_busybox() {
+  # The base image holds busybox alone, with no libc: Debian's dynamic `busybox` cannot run there.
+  [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1
+}
 
 dockerd_has_cdi() {
   # CDI injection came with docker 25.
@@ -42,7 +49,7 @@ install() {
   local debian=() trixie=()
   command -v podman >/dev/null || debian+=(podman)
   command -v runc >/dev/null || debian+=(runc)
-  [ -x /bin/busybox ] || debian+=(busybox-static)
+  static_busybox || debian+=(busybox-static)
   dockerd_has_cdi || trixie+=(docker.io)
   command -v docker >/dev/null || trixie+=(docker-cli)
   if [ ${#debian[@]} -eq 0 ] && [ ${#trixie[@]} -eq 0 ]; then
@@ -53,8 +60,8 @@ install() {
   export DEBIAN_FRONTEND=noninteractive
   if [ ${#debian[@]} -gt 0 ]; then
     log "installing ${debian[*]} from Debian"
-    apt-get update -qq
-    apt-get install -y -qq "${debian[@]}" >/dev/null
+    apt-get "${APT_LOCK[@]}" update -qq
+    apt-get "${APT_LOCK[@]}" install -y -qq "${debian[@]}" >/dev/null
   fi
   if [ ${#trixie[@]} -gt 0 ]; then
     install_from_trixie "${trixie[@]}"
@@ -68,7 +75,6 @@ install_from_trixie() {
   mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
   mirror=${mirror:-http://deb.debian.org/debian}
   tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' RETURN
   mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial"
   echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" \
     >"$tmp/sources.list"
@@ -77,7 +83,8 @@ install_from_trixie() {
   log "installing $* from Debian trixie ($mirror)"
   apt-get "${opts[@]}" update -qq
   (cd "$tmp" && apt-get "${opts[@]}" download -qq "$@")
-  apt-get install -y -qq --no-install-recommends "$tmp"/*.deb >/dev/null
+  apt-get "${APT_LOCK[@]}" install -y -qq --no-install-recommends "$tmp"/*.deb >/dev/null
+  rm -rf "$tmp"
 }
 
 write_configs() {
@@ -150,7 +157,9 @@ start_docker() {
 
 busybox_rootfs() {
   # A rootfs with busybox and a link per applet (not `busybox` itself).
-  local tar=$STATE/busybox-rootfs.tar
+  static_busybox || die "/bin/busybox is not statically linked: install busybox-static"
+  local tar
+  tar=$STATE/busybox-rootfs-$(sha256sum /bin/busybox | cut -c1-12).tar
   if [ ! -f "$tar" ]; then
     local root
     root=$(mktemp -d)

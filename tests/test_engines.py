@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +23,12 @@ import pytest
 from drivers import simgpu
 from drivers.container import SESSION_LABEL, ContainerDriver
 from drivers.docker import DockerDriver
+from drivers.errors import UnknownGpuDevice, UnknownImage
 from drivers.host import GpuHost, HostConfig
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
 from drivers.spec import SandboxSpec
-from drivers.testing import uuids, visible_gpu_uuids
+from drivers.testing import assert_all_gpus_grantable, uuids, visible_gpu_uuids
 from drivers.wait import wait_until
 from tests import broken_containers
 from tests.test_planted import ROOT, golden_ids, run_catalogue
@@ -39,12 +42,14 @@ ENGINES: tuple[type[ContainerDriver], ...] = (DockerDriver, PodmanDriver)
 def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
     """An 8-GPU simulated host registered with both engines, which must be running."""
     sim = simgpu.setup(tmp_path_factory.mktemp("engines") / "sim", 8, cdi_dir=CDI_DIR)
-    host = GpuHost.open(HostConfig(sim.root))
-    for engine in ENGINES:
-        availability = engine(host, "probe").probe()
-        assert availability.ok, f"{engine.name} cannot run: {availability.reason}"
-    yield host
-    simgpu.teardown(sim.root)
+    try:
+        host = GpuHost.open(HostConfig(sim.root))
+        for engine in ENGINES:
+            availability = engine(host, "probe").probe()
+            assert availability.ok, f"{engine.name} cannot run: {availability.reason}"
+        yield host
+    finally:
+        simgpu.teardown(sim.root)
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
@@ -106,16 +111,22 @@ def test_no_driver_hands_out_a_gpu_another_driver_holds(engine_host: GpuHost) ->
             driver.reap(session)
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize(
+    "how", [signal.SIGSTOP, signal.SIGINT, signal.SIGKILL], ids=["SIGSTOP", "SIGINT", "SIGKILL"]
+)
 def test_interrupted_run_then_reap_leaves_no_container(
     engine_host: GpuHost, how: signal.Signals
 ) -> None:
-    """Interrupt a catalogue run while it holds containers; `--reap` leaves none behind."""
+    """Interrupt a catalogue run while it holds containers; `--reap` leaves none behind.
+
+    SIGSTOP leaves the creator alive, so its containers stay until `--reap` removes them;
+    after SIGINT the run cleans up itself and after SIGKILL its containers exit with it.
+    """
     run = subprocess.Popen(
         [
             sys.executable, "-m", "pytest", str(ROOT / "conformance"), f"--rootdir={ROOT}",
             "-c", str(ROOT / "pytest.ini"), "-p", "no:cacheprovider", "--driver=docker,podman",
-            f"--sim-root={engine_host.config.sim_root}", "--requirement=GPU-RECLAIM-02",
+            f"--sim-root={engine_host.config.sim_root}", "--requirement=GPU-RELEASE-01",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -132,25 +143,29 @@ def test_interrupted_run_then_reap_leaves_no_container(
             retry_on=(LookupError,),
         )
         run.send_signal(how)
-        run.wait(60)
+        if how != signal.SIGSTOP:
+            run.wait(60)
+        reap = subprocess.run(
+            [
+                sys.executable, "-m", "pytest", f"--rootdir={ROOT}", "-c",
+                str(ROOT / "pytest.ini"), "--driver=docker,podman",
+                f"--sim-root={engine_host.config.sim_root}", f"--reap={session}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )  # fmt: skip
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         assert run.stdout is not None
         run.stdout.close()
-    reap = subprocess.run(
-        [
-            sys.executable, "-m", "pytest", f"--rootdir={ROOT}", "-c", str(ROOT / "pytest.ini"),
-            "--driver=docker,podman", f"--sim-root={engine_host.config.sim_root}",
-            f"--reap={session}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )  # fmt: skip
     assert reap.returncode == 0, reap.stdout + reap.stderr
+    if how == signal.SIGSTOP:
+        removed = sum(int(n) for n in re.findall(r"removed (\d+) sandbox", reap.stdout))
+        assert removed > 0, f"the stopped run held containers; --reap removed none: {reap.stdout}"
     assert [driver.sandboxes(session) for driver in drivers] == [[], []]
     for engine in ENGINES:
         listing = subprocess.run(
@@ -183,7 +198,8 @@ def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
     tmp_path: Path, engine_host: GpuHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second, real dockerd started without CDI: the probe names the daemon.json setting."""
-    state = Path(f"/run/gpu-sandbox-nocdi-{tmp_path.name}")
+    # Under /run, not the deep pytest tmp_path: a unix socket's path must stay short.
+    state = Path(tempfile.mkdtemp(prefix="gpu-sandbox-nocdi-", dir="/run"))
     socket = state / "docker.sock"
     config = {
         "hosts": [f"unix://{socket}"],
@@ -194,8 +210,8 @@ def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
         "iptables": False,
         "ip6tables": False,
         "bridge": "none",
+        "features": {"cdi": False},  # newer dockerd enable CDI by default
     }
-    state.mkdir(parents=True)
     (state / "daemon.json").write_text(json.dumps(config))
     with (state / "dockerd.log").open("w") as log:
         daemon = subprocess.Popen(
@@ -208,7 +224,31 @@ def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
         availability = driver.probe()
     finally:
         daemon.terminate()
-        daemon.wait(60)
-        subprocess.run(["rm", "-rf", str(state)], check=False)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(state, ignore_errors=True)
     assert not availability.ok
     assert '"features": {"cdi": true}' in availability.reason, availability.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=[engine.name for engine in ENGINES])
+def test_bad_image_and_unknown_cdi_name_are_typed_errors_leaving_nothing(
+    engine_host: GpuHost, engine: type[ContainerDriver]
+) -> None:
+    driver = engine(engine_host, f"bad-{time.time_ns()}")
+    gpu_spec = SandboxSpec.with_gpus(2, image="gpu-sandbox-no-such-image:1")
+    with pytest.raises(UnknownImage) as bad_image:
+        driver.create(gpu_spec)
+    assert (bad_image.value.field, bad_image.value.value) == ("image", gpu_spec.image)
+    assert "gpu-sandbox-no-such-image:1" in str(bad_image.value)
+    name = "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(UnknownGpuDevice) as unknown:
+        driver.create(SandboxSpec.with_gpus(driver=engine.name, device_ids=[name]))
+    assert unknown.value.value == name
+    assert name in str(unknown.value)
+    assert driver.sandboxes(driver.session_id) == []
+    assert list(driver.keepalive_dir().glob(f"{driver.session_id}.*")) == []
+    assert_all_gpus_grantable(driver, after="refusing a bad image and an unknown CDI name")
