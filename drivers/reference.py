@@ -21,6 +21,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -238,6 +239,11 @@ class ReferenceDriver(Driver):
                     argv += ["--tmpfs", str(resolved)]
         if sim is not None:
             argv += ["--ro-bind", str(sim.share_dir), SANDBOX_SHARE]
+        # The suite's own Python (the workload lane runs it inside) stays visible, read-only,
+        # where the sandbox has a private tmpfs: a checkout under /tmp keeps its venv there.
+        prefix = Path(sys.prefix).resolve()
+        if any(prefix.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
+            argv += ["--ro-bind", str(prefix), str(prefix)]
         # Device binds come after `--dev /dev`, which would otherwise hide them.
         if gpus:
             for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:

@@ -149,3 +149,18 @@ def test_only_a_start_that_lost_a_race_with_host_mounts_is_tried_again(
         with pytest.raises(SandboxStartError, match="No permissions"):
             reference.create(SandboxSpec.with_gpus())
     assert reference.host.leases.leases() == []
+
+
+def test_the_suites_python_stays_visible_from_under_tmp(
+    reference: ReferenceDriver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout under /tmp (a private tmpfs inside) keeps its venv visible, read-only."""
+    prefix = tmp_path / "venv"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "marker").write_text("venv\n")
+    monkeypatch.setattr("sys.prefix", str(prefix))
+    with reference.create(SandboxSpec()) as sandbox:
+        seen = sandbox.exec(["cat", str(prefix / "bin" / "marker")]).check().stdout
+        write = sandbox.exec(["touch", str(prefix / "bin" / "new")])
+    assert seen == "venv\n"
+    assert write.returncode != 0, "the suite's venv must be read-only inside"
