@@ -155,7 +155,7 @@ class LeaseRegistry:
 
     def set_holder(self, sandbox_id: str, holder: Holder) -> None:
         """Hand a sandbox's leases to the process or container that now embodies it."""
-        with self._locked() as leases:
+        with self._locked(reclaim=False) as leases:
             leases[:] = [
                 replace(lease, holder=holder) if lease.sandbox_id == sandbox_id else lease
                 for lease in leases
@@ -163,7 +163,7 @@ class LeaseRegistry:
 
     def release(self, sandbox_id: str) -> int:
         """Drop a sandbox's leases; releasing twice is harmless. Returns how many were held."""
-        with self._locked() as leases:
+        with self._locked(reclaim=False) as leases:
             kept = [lease for lease in leases if lease.sandbox_id != sandbox_id]
             released = len(leases) - len(kept)
             leases[:] = kept
@@ -175,7 +175,7 @@ class LeaseRegistry:
         def reaped(lease: Lease) -> bool:
             return lease.session_id == session_id and driver in (None, lease.driver)
 
-        with self._locked() as leases:
+        with self._locked(reclaim=False) as leases:
             gone = [lease for lease in leases if reaped(lease)]
             leases[:] = [lease for lease in leases if not reaped(lease)]
             return gone
@@ -190,11 +190,16 @@ class LeaseRegistry:
         return tuple(gpu for gpu in inventory if gpu.uuid not in held)
 
     @contextmanager
-    def _locked(self) -> Iterator[list[Lease]]:
-        """Hold the host lock; yield the live leases; write them back if they changed."""
+    def _locked(self, reclaim: bool = True) -> Iterator[list[Lease]]:
+        """Hold the host lock; yield the leases; write them back if they changed.
+
+        With ``reclaim``, leases whose holders are gone are dropped first. Giving leases
+        back or handing them on needs no such judgement, which may cost a call to a
+        container engine per lease: those leave it to the next grant.
+        """
         with self._exclusive() as fd:
             stored = self._load(fd)
-            leases = [lease for lease in stored if _alive(lease.holder)]
+            leases = [lease for lease in stored if not reclaim or _alive(lease.holder)]
             yield leases
             if leases != stored:
                 self._store(fd, leases)
