@@ -58,6 +58,8 @@ API_TIMEOUT_S = 60
 """For every engine call but exec, which runs as long as the command: a minute means stuck."""
 EXEC_API_TIMEOUT_S = 24 * 3600
 """Exec's own timeout kills the command, which ends the call; this only bounds a lost engine."""
+STOP_TIMEOUT_S = 10
+"""A container whose keepalive closed exits in milliseconds; then it is removed by force."""
 REAP_TIMEOUT_S = 30.0
 KILL_TIMEOUT_S = 5.0
 
@@ -143,6 +145,10 @@ class ContainerDriver(Driver):
     @abstractmethod
     def remove_container(self, container_id: str) -> None:
         """Kill and remove the container; a container already gone is not an error."""
+
+    def stop_container(self, container_id: str) -> None:
+        """Return once the container is gone; its keepalive is already closed."""
+        self.remove_container(container_id)
 
     @abstractmethod
     def kill_container(self, container_id: str) -> None:
@@ -416,22 +422,23 @@ class ContainerSandbox(Sandbox):
             if self._closed:
                 return
             self._closed = True
+        # Without the keepalive's last writer the container's main process exits by itself.
+        self._drop_keepalive()
         try:
-            self._driver.remove_container(self.container_id)
+            self._driver.stop_container(self.container_id)
         except BaseException:
             # The container may still hold the GPUs: its leases stay with it, and close()
             # may be called again.
             self._closed = False
             raise
-        self._drop_keepalive()
         self._driver.host.leases.release(self.id)
 
     def kill(self) -> None:
         self._driver.kill_container(self.container_id)
 
     def _drop_keepalive(self) -> None:
-        _KEEPALIVE_FDS.discard(self._keepalive_fd)
-        with contextlib.suppress(OSError):
+        if self._keepalive_fd in _KEEPALIVE_FDS:
+            _KEEPALIVE_FDS.discard(self._keepalive_fd)
             os.close(self._keepalive_fd)
         self._keepalive.unlink(missing_ok=True)
 

@@ -27,6 +27,7 @@ from drivers.container import (
     KEEPALIVE_PATH,
     SANDBOX_LABEL,
     SESSION_LABEL,
+    STOP_TIMEOUT_S,
     ContainerDriver,
     ContainerRequest,
     EngineError,
@@ -114,6 +115,16 @@ class DockerDriver(ContainerDriver):
         except docker.errors.APIError as exc:
             if exc.status_code != 409:  # 409: auto-remove is already removing it
                 raise
+
+    def stop_container(self, container_id: str) -> None:
+        # The main process is exiting by itself and auto-remove follows: waiting for that is
+        # quicker than killing and removing it, and it is what `docker run --rm` does.
+        try:
+            self.api.wait(container_id, timeout=STOP_TIMEOUT_S, condition="removed")
+        except docker.errors.NotFound:
+            return  # already removed
+        except (docker.errors.DockerException, requests.RequestException):
+            self.remove_container(container_id)
 
     def kill_container(self, container_id: str) -> None:
         try:

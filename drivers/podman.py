@@ -26,12 +26,14 @@ from drivers.container import (
     KEEPALIVE_PATH,
     SANDBOX_LABEL,
     SESSION_LABEL,
+    STOP_TIMEOUT_S,
     ContainerDriver,
     ContainerRequest,
     EngineError,
     ExecOutput,
     register_liveness,
 )
+from drivers.wait import wait_until
 
 
 class PodmanDriver(ContainerDriver):
@@ -104,10 +106,22 @@ class PodmanDriver(ContainerDriver):
         try:
             self.client.containers.remove(container_id, force=True)
         except podman.errors.NotFound:
-            pass
+            return
         except podman.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: auto-remove is already removing it
-                raise
+            # A container already exiting (its keepalive closed, or killed) is being removed
+            # by its own auto-remove, and podman refuses to remove it meanwhile: wait for that.
+            refusal = str(exc)
+
+            def gone() -> None:
+                if self.client.containers.exists(container_id):
+                    raise EngineError(f"still there after podman said: {refusal}")
+
+            wait_until(
+                gone,
+                timeout_s=STOP_TIMEOUT_S,
+                what=f"podman removing container {container_id[:12]}",
+                retry_on=(EngineError,),
+            )
 
     def kill_container(self, container_id: str) -> None:
         try:
