@@ -197,7 +197,8 @@ class ContainerDriver(Driver):
             return Availability(
                 False,
                 f"needed a CDI spec in {', '.join(map(str, dirs))} naming each GPU (found none "
-                f"for {', '.join(gpu.describe() for gpu in missing)}{problems}; {hint})",
+                f"for {len(missing)} of {len(self.host.gpus)}, first {missing[0].describe()}"
+                f"{problems}; {hint})",
             )
         image = self.image or DEFAULT_IMAGE
         if not self.has_image(image):
