@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from drivers import simgpu
+from drivers.base import Driver
 from drivers.errors import GpusExhausted
 from drivers.host import GpuHost, HostConfig
 from drivers.ownership import Holder, LeaseOwner, LeaseRegistry
@@ -43,26 +44,36 @@ def _timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_medians(
+    ours: Callable[[], object], theirs: Callable[[], object], iterations: int, warm_up: int
+) -> tuple[float, float]:
+    """Median seconds of each, timed run by run in turn so both see the same machine load."""
+    for _ in range(warm_up):
+        ours()
+        theirs()
+    timed: tuple[list[float], list[float]] = ([], [])
+    for _ in range(iterations):
+        timed[0].append(_timed(ours))
+        timed[1].append(_timed(theirs))
+    return statistics.median(timed[0]), statistics.median(timed[1])
+
+
+def sandbox_lifecycle(driver: Driver) -> None:
+    """Create a sandbox with the default GPU request, run nvidia-smi -L in it, close it."""
+    with driver.create(SandboxSpec.with_gpus()) as sandbox:
+        sandbox.exec(["nvidia-smi", "-L"]).check()
+
+
 def bench_lifecycle(host: GpuHost, iterations: int) -> tuple[float, float]:
     driver = ReferenceDriver(host, f"bench-{uuid.uuid4().hex[:8]}")
     bare_argv = [*driver.bwrap_argv("bench", host.gpus[:1]), "true"]
     env = driver.sandbox_env({})
 
-    def lifecycle() -> None:
-        with driver.create(SandboxSpec.with_gpus()) as sandbox:
-            sandbox.exec(["nvidia-smi", "-L"]).check()
-
     def bare() -> None:
         subprocess.run(bare_argv, check=True, env=env)
 
-    for _ in range(5):  # warm the page cache and the spawner thread
-        lifecycle()
-        bare()
-    ours, theirs = [], []
-    for _ in range(iterations):
-        ours.append(_timed(lifecycle))
-        theirs.append(_timed(bare))
-    return statistics.median(ours), statistics.median(theirs)
+    # The warm-up fills the page cache and starts the spawner thread.
+    return interleaved_medians(lambda: sandbox_lifecycle(driver), bare, iterations, warm_up=5)
 
 
 def bench_lane(sim_root: Path, runs: int) -> list[float]:

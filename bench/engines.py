@@ -23,13 +23,12 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.__main__ import ROOT, _timed
+from bench.__main__ import ROOT, interleaved_medians, sandbox_lifecycle
 from drivers import simgpu
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.host import GpuHost, HostConfig
 from drivers.podman import PodmanDriver
-from drivers.spec import SandboxSpec
 
 CDI_DIR = Path("/var/run/cdi")
 
@@ -38,21 +37,11 @@ def bench_lifecycle(driver: ContainerDriver, iterations: int) -> tuple[float, fl
     device = driver.device_ids(driver.inventory()[0])[0]
     raw = driver.oracle_argv(device, None, ["nvidia-smi", "-L"])
 
-    def lifecycle() -> None:
-        with driver.create(SandboxSpec.with_gpus()) as sandbox:
-            sandbox.exec(["nvidia-smi", "-L"]).check()
-
     def bare() -> None:
         subprocess.run(raw, check=True, capture_output=True)
 
-    for _ in range(3):  # warm the engine, the image and the clients
-        lifecycle()
-        bare()
-    ours, theirs = [], []
-    for _ in range(iterations):
-        ours.append(_timed(lifecycle))
-        theirs.append(_timed(bare))
-    return statistics.median(ours), statistics.median(theirs)
+    # The warm-up loads the image into the page cache and opens the clients' connections.
+    return interleaved_medians(lambda: sandbox_lifecycle(driver), bare, iterations, warm_up=3)
 
 
 def bench_catalogue(
