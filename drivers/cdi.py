@@ -37,6 +37,8 @@ class CdiRegistry:
     """Fully qualified CDI name → the host paths of those nodes, where the spec gives them."""
     problems: tuple[str, ...] = ()
     """Spec files that could not be read, with why."""
+    spec_dirs: tuple[Path, ...] = ()
+    """The directories the specs were read from."""
 
     def names_of(self, gpu: GpuDevice) -> tuple[str, ...]:
         """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them.
@@ -66,6 +68,7 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
     devices: dict[str, frozenset[int]] = {}
     sources: dict[str, frozenset[str]] = {}
     problems = []
+    spec_dirs = tuple(spec_dirs)
     for directory in spec_dirs:
         if not directory.is_dir():
             continue
@@ -84,7 +87,7 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
                     sources[name] = frozenset(source for _, source in nodes if source)
             except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as exc:
                 problems.append(f"{path}: {type(exc).__name__}: {exc}")
-    return CdiRegistry(_index_names_first(devices), sources, tuple(problems))
+    return CdiRegistry(_index_names_first(devices), sources, tuple(problems), spec_dirs)
 
 
 def _read(path: Path) -> dict[str, Any]:

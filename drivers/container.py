@@ -175,7 +175,7 @@ class ContainerDriver(Driver):
                 f"{exc}; start it with `make engines`, or point {self.url_env} at it)",
             )
         try:
-            dirs = self.cdi_spec_dirs()
+            registry = self.cdi_registry
         except EngineError as exc:
             return Availability(False, str(exc))
         if not self.host.gpus:
@@ -184,7 +184,6 @@ class ContainerDriver(Driver):
                 "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
                 "use --sim-root for a simulated GPU host)",
             )
-        registry = self.cdi_registry
         missing = registry.missing(self.host.gpus)
         if missing:
             hint = (
@@ -196,8 +195,9 @@ class ContainerDriver(Driver):
             problems = f"; unreadable: {'; '.join(registry.problems)}" if registry.problems else ""
             return Availability(
                 False,
-                f"needed a CDI spec in {', '.join(map(str, dirs))} naming each GPU (found none "
-                f"for {len(missing)} of {len(self.host.gpus)}, first {missing[0].describe()}"
+                f"needed a CDI spec in {', '.join(map(str, registry.spec_dirs))} naming each GPU "
+                f"(found none for {len(missing)} of {len(self.host.gpus)}, first "
+                f"{missing[0].describe()}"
                 f"{problems}; {hint})",
             )
         image = self.image or DEFAULT_IMAGE
@@ -211,6 +211,7 @@ class ContainerDriver(Driver):
 
     @functools.cached_property
     def cdi_registry(self) -> cdi.CdiRegistry:
+        """The specs the engine reads, once per driver; ``EngineError`` when CDI is off."""
         return cdi.load(self.cdi_spec_dirs())
 
     def inventory(self) -> tuple[GpuDevice, ...]:
