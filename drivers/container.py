@@ -19,9 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import threading
-import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
@@ -40,7 +38,7 @@ from drivers.errors import (
 )
 from drivers.gpus import CDI_KIND, GpuDevice
 from drivers.ownership import LIVENESS_CHECKS, Holder, LeaseOwner
-from drivers.procfs import each_process
+from drivers.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 from drivers.wait import wait_until
 
@@ -52,8 +50,6 @@ SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
 DRIVER_LABEL = LABEL_PREFIX + "driver"
 DEVICES_LABEL = LABEL_PREFIX + "cdi-devices"
 KEEPALIVE_PATH = "/run/gpu-sandbox-keepalive"
-EXEC_MARKER_ENV = "GPU_SANDBOX_EXEC"
-"""Set on every exec'd command, and inherited by what it starts: how a timeout finds them."""
 API_TIMEOUT_S = 60
 """For every engine call but exec, which runs as long as the command: a minute means stuck."""
 EXEC_API_TIMEOUT_S = 24 * 3600
@@ -61,7 +57,6 @@ EXEC_API_TIMEOUT_S = 24 * 3600
 STOP_TIMEOUT_S = 10
 """A container whose keepalive closed exits in milliseconds; then it is removed by force."""
 REAP_TIMEOUT_S = 30.0
-KILL_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -397,8 +392,8 @@ class ContainerSandbox(Sandbox):
             raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
         if self._closed:
             raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
-        marker = uuid.uuid4().hex
-        timer = _Timeout(timeout, marker)
+        marker, needle = exec_marker()
+        timer = _Timeout(timeout, needle)
         timer.start()
         try:
             output = self._driver.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
@@ -473,27 +468,15 @@ class _Timeout(threading.Timer):
     run as root, or as the user of a rootless engine, for a timeout to kill anything.
     """
 
-    def __init__(self, timeout: float, marker: str) -> None:
+    def __init__(self, timeout: float, needle: bytes) -> None:
         super().__init__(timeout, self._kill)
         self.daemon = True
         self.fired = False
-        self._needle = f"{EXEC_MARKER_ENV}={marker}".encode()
+        self._needle = needle
 
     def _kill(self) -> None:
         self.fired = True
-        deadline = time.monotonic() + KILL_TIMEOUT_S
-        while time.monotonic() < deadline:
-            found = _marked_processes(self._needle)
-            if not found:
-                return
-            for pid in found:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
-
-
-def _marked_processes(needle: bytes) -> list[int]:
-    return [pid for pid, environ in each_process("environ") if needle in environ.split(b"\0")]
+        kill_marked(self._needle)
 
 
 def register_liveness(driver: type[ContainerDriver]) -> None:

@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Final
 
@@ -99,7 +99,10 @@ def from_nvml() -> tuple[GpuDevice, ...]:
 
 # --- nvidia-smi ----------------------------------------------------------------------------
 
-QUERY_FIELDS: Final = ("index", "uuid", "name", "pci.bus_id", "memory.total", "minor_number")
+QUERY_FIELDS: Final = ("index", "uuid", "name", "pci.bus_id", "memory.total")
+"""nvidia-smi has no query field for the device minor (driver 580 refuses ``minor_number``):
+``from_nvidia_smi`` reads it from /proc/driver/nvidia/gpus, as nvidia-container-cli does."""
+PROC_DRIVER_GPUS: Final = Path("/proc/driver/nvidia/gpus")
 NVIDIA_SMI_TIMEOUT_S: Final = 60.0
 """Without persistence mode every nvidia-smi call initialises each GPU, which takes seconds
 per GPU on large hosts; a hung driver must still not hang discovery."""
@@ -156,7 +159,8 @@ def gpus_from_query_csv(
     """GPUs from ``nvidia-smi --query-gpu`` CSV; ``fields`` names the columns when not ``header``.
 
     Needs ``uuid``, ``name`` and ``pci.bus_id``; ``index`` defaults to the row's position
-    (nvidia-smi prints GPUs in index order), ``memory.total`` and ``minor_number`` are optional.
+    (nvidia-smi prints GPUs in index order), ``memory.total`` is optional, and so is
+    ``minor_number`` (a column of recorded and hand-made CSV; no nvidia-smi prints it).
     """
     gpus = []
     for position, row in enumerate(parse_query_csv(text, None if header else fields)):
@@ -181,12 +185,15 @@ def gpus_from_query_csv(
 
 
 def from_nvidia_smi(
-    executable: str = "nvidia-smi", timeout_s: float = NVIDIA_SMI_TIMEOUT_S
+    executable: str = "nvidia-smi",
+    timeout_s: float = NVIDIA_SMI_TIMEOUT_S,
+    proc_gpus: Path = PROC_DRIVER_GPUS,
 ) -> tuple[GpuDevice, ...]:
     """The GPUs ``nvidia-smi --query-gpu`` lists; empty when it says "No devices were found".
 
-    Raises ``SourceNotFound`` when the executable is missing and ``DiscoveryError`` with the
-    exit code and output for any other failure.
+    Each GPU's device minor comes from ``proc_gpus/<bus id>/information`` (``Device Minor``);
+    a GPU without one gets no device node. Raises ``SourceNotFound`` when the executable is
+    missing and ``DiscoveryError`` with the exit code and output for any other failure.
     """
     argv = [executable, f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
     command = shlex.join(argv)
@@ -207,9 +214,25 @@ def from_nvidia_smi(
     if result.returncode != 0:
         raise DiscoveryError(f"{command} exited with {result.returncode}: {output}")
     try:
-        return gpus_from_query_csv(result.stdout, QUERY_FIELDS, header=False)
+        listed = gpus_from_query_csv(result.stdout, QUERY_FIELDS, header=False)
     except ValueError as exc:
         raise DiscoveryError(f"{command} printed unexpected output ({exc}): {output}") from exc
+    return tuple(with_proc_minor(gpu, proc_gpus) for gpu in listed)
+
+
+def with_proc_minor(gpu: GpuDevice, proc_gpus: Path = PROC_DRIVER_GPUS) -> GpuDevice:
+    """``gpu`` with the minor and node that /proc/driver/nvidia gives its bus id, if any."""
+    if gpu.minor is not None:
+        return gpu
+    try:
+        information = (proc_gpus / gpu.pci_bus_id / "information").read_text()
+    except OSError:
+        return gpu
+    minor_text = parse_proc_driver_information(information).get("Device Minor", "")
+    if not minor_text.isdigit():
+        return gpu
+    minor = int(minor_text)
+    return replace(gpu, minor=minor, nodes=nvidia_nodes(minor))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,3 +24,37 @@ def each_process(entry: str) -> Iterator[tuple[int, bytes]]:
             yield int(proc.name), (proc / entry).read_bytes()
         except OSError:
             continue
+
+
+EXEC_MARKER_ENV = "GPU_SANDBOX_EXEC"
+"""Set on every command a sandbox runs, and inherited by whatever it starts, setsid or not:
+how a timeout finds them all. A process that clears its own environment escapes."""
+KILL_MARKED_TIMEOUT_S = 5.0
+"""After SIGKILL a process is gone in milliseconds; seconds mean it keeps forking."""
+
+
+def exec_marker() -> tuple[str, bytes]:
+    """A fresh ``(value, needle)`` for one command.
+
+    ``value`` goes into ``EXEC_MARKER_ENV``; ``needle`` (``KEY=value``) finds the processes.
+    """
+    value = uuid.uuid4().hex
+    return value, f"{EXEC_MARKER_ENV}={value}".encode()
+
+
+def marked_processes(needle: bytes) -> list[int]:
+    """Pids of the processes whose environment holds ``needle`` (``KEY=value``)."""
+    return [pid for pid, environ in each_process("environ") if needle in environ.split(b"\0")]
+
+
+def kill_marked(needle: bytes, timeout_s: float = KILL_MARKED_TIMEOUT_S) -> None:
+    """SIGKILL every process carrying ``needle``, again and again until none is left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = marked_processes(needle)
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)

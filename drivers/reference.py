@@ -1,7 +1,7 @@
 """The reference driver: a bubblewrap sandbox holding exactly the GPUs it was given.
 
-Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.8 or newer), ``nsenter``,
-``unshare`` and ``setpriv`` (util-linux), and NVIDIA GPUs, real or simulated
+Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.8 or newer), ``nsenter``
+and ``setpriv`` (util-linux), and NVIDIA GPUs, real or simulated
 (``drivers.simgpu``).
 
 Each sandbox is a read-only view of the host root with a private ``/dev`` holding only
@@ -33,7 +33,7 @@ from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResul
 from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from drivers.gpus import GpuDevice
 from drivers.ownership import Holder, LeaseOwner, process_start_time
-from drivers.procfs import each_process
+from drivers.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
 from drivers.simgpu import SANDBOX_SHARE
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 from drivers.wait import wait_until
@@ -54,7 +54,7 @@ SANDBOX_ENV = "GPU_SANDBOX_ID"
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
 """The environment of the host-side bwrap and nsenter: fixed, never the user's."""
-_TOOLS = ("bwrap", "nsenter", "unshare", "setpriv", "env")
+_TOOLS = ("bwrap", "nsenter", "setpriv", "env")
 _HIDDEN_BY_TMPFS = (Path("/tmp"), Path("/run"))
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 _SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
@@ -338,17 +338,20 @@ class ReferenceSandbox(Sandbox):
         if not argv or "=" in argv[0]:
             raise SandboxExecError(f"argv must start with a program to run, got {list(argv)!r}")
         self._check_running(argv)
-        # Each command gets a pid namespace of its own (unshare --kill-child), so that a
-        # timeout kills everything it started, even what escaped its process group. It runs
-        # with the sandbox's environment and no capabilities: root in the sandbox's user
+        # Each command runs in the sandbox's pid namespace, as `docker exec` does. Not in one
+        # of its own: on a real GPU (H100, driver 580) CUDA fails with error 304 in a nested
+        # pid namespace once any CUDA process has run in the sandbox. A timeout finds what
+        # the command started, setsid or not, by the marker in its environment. It runs with
+        # the sandbox's environment and no capabilities: root in the sandbox's user
         # namespace could otherwise unmount and re-bind device nodes and so reach GPUs it was
         # not given. nsenter itself runs with the host's fixed environment, never the user's
         # (an LD_PRELOAD there would run in the host's namespaces as the host user).
+        marker, needle = exec_marker()
+        env = {**self._env, EXEC_MARKER_ENV: marker}
         command = [
             tool("nsenter"), f"--target={self._child_pid}", "--all", "--root", "--wd",
-            "unshare", "--pid", "--fork", "--kill-child",
             "setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
-            "env", "-i", *(f"{key}={value}" for key, value in self._env.items()), *argv,
+            "env", "-i", *(f"{key}={value}" for key, value in env.items()), *argv,
         ]  # fmt: skip
         try:
             process = subprocess.Popen(
@@ -366,10 +369,10 @@ class ReferenceSandbox(Sandbox):
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except BaseException as exc:
-            # The group holds nsenter and unshare; unshare's death kills the command's pid
-            # namespace, and with it everything the command started.
+            # The group holds nsenter; the marker finds the rest, wherever it went.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+            kill_marked(needle)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.communicate(timeout=KILL_TIMEOUT_S)
             _stop_process(process)

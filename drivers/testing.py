@@ -11,6 +11,9 @@ from drivers.spec import SandboxSpec
 
 NVIDIA_SMI_NO_DEVICES = 6
 """nvidia-smi's exit code when it finds no GPU (NVML_ERROR_NOT_FOUND)."""
+NVIDIA_SMI_NO_DRIVER = 9
+"""nvidia-smi's exit code when it cannot reach the driver: a sandbox given no GPU has no
+/dev/nvidiactl on a real host (seen on an H100 host, driver 580)."""
 _COMMAND_NOT_FOUND = (126, 127)
 """A shell's "not found", and the engines' exit code when exec cannot find the program."""
 # Minors of NVIDIA's major that are not GPUs: nvidia-modeset and nvidiactl.
@@ -22,11 +25,14 @@ def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
 
     A sandbox with no ``nvidia-smi`` at all sees no GPU: container engines mount it with the
     GPUs' CDI devices (the NVIDIA toolkit does the same), so a container given none has none.
+    Nor does one whose ``nvidia-smi`` cannot reach the driver (no ``/dev/nvidiactl``).
     """
     __tracebackhide__ = True
     result = sandbox.exec(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
     output = result.stdout + result.stderr
     if result.returncode == NVIDIA_SMI_NO_DEVICES and "No devices were found" in output:
+        return []
+    if result.returncode == NVIDIA_SMI_NO_DRIVER and "couldn't communicate" in output:
         return []
     if result.returncode in _COMMAND_NOT_FOUND and "not found" in output:
         return []

@@ -181,7 +181,7 @@ def test_parse_query_csv_reads_nounits_values_and_na() -> None:
 
 
 def test_parse_query_csv_takes_field_names_for_noheader_output() -> None:
-    text = "0, GPU-1, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559, 3\n"
+    text = "0, GPU-1, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559\n"
 
     assert parse_query_csv(text, QUERY_FIELDS) == [
         {
@@ -190,13 +190,12 @@ def test_parse_query_csv_takes_field_names_for_noheader_output() -> None:
             "name": "NVIDIA H100 80GB HBM3",
             "pci.bus_id": "00000000:18:00.0",
             "memory.total": "81559",
-            "minor_number": "3",
         }
     ]
 
 
 def test_parse_query_csv_rejects_a_row_of_the_wrong_width() -> None:
-    with pytest.raises(ValueError, match="row 1 has 2 values for 6 fields"):
+    with pytest.raises(ValueError, match="row 1 has 2 values for 5 fields"):
         parse_query_csv("0, GPU-1\n", QUERY_FIELDS)
 
 
@@ -252,7 +251,7 @@ def test_gpus_from_query_csv_reads_noheader_nounits_with_minor_numbers() -> None
         "1, GPU-b, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 81559, [N/A]\n"
     )
 
-    first, second = gpus_from_query_csv(text, QUERY_FIELDS, header=False)
+    first, second = gpus_from_query_csv(text, (*QUERY_FIELDS, "minor_number"), header=False)
 
     assert first == GpuDevice(
         0,
@@ -290,24 +289,55 @@ def fake_nvidia_smi(directory: Path, stdout: str, rc: int = 0, stderr: str = "")
     return script
 
 
+def _proc_gpus(root: Path, minors: dict[str, str]) -> Path:
+    """A /proc/driver/nvidia/gpus tree whose entries give each bus id its Device Minor."""
+    template = read("proc-driver-nvidia-gpus-information.H100.txt")
+    for bus, minor in minors.items():
+        entry = root / bus
+        entry.mkdir(parents=True)
+        text = template.replace("0000:00:06.0", bus).replace("Device Minor: \t 0", minor)
+        (entry / "information").write_text(text)
+    return root
+
+
 def test_from_nvidia_smi_queries_csv_noheader_nounits(tmp_path: Path) -> None:
     smi = fake_nvidia_smi(
         tmp_path,
-        "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034, 0\n"
-        "1, GPU-b, NVIDIA L4, 00000000:3A:00.0, 23034, 1\n",
+        "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034\n"
+        "1, GPU-b, NVIDIA L4, 00000000:3A:00.0, 23034\n",
+    )
+    # Minors in another order than the indices, as on the recorded 8xA100 host.
+    proc = _proc_gpus(
+        tmp_path / "gpus",
+        {"0000:38:00.0": "Device Minor: \t 5", "0000:3a:00.0": "Device Minor: \t 2"},
     )
 
-    gpus = from_nvidia_smi(str(smi))
+    gpus = from_nvidia_smi(str(smi), proc_gpus=proc)
 
+    # nvidia-smi has no minor field: asking for one fails the whole query on real drivers.
     assert (tmp_path / "argv").read_text().splitlines() == [
-        "--query-gpu=index,uuid,name,pci.bus_id,memory.total,minor_number",
+        "--query-gpu=index,uuid,name,pci.bus_id,memory.total",
         "--format=csv,noheader,nounits",
     ]
-    assert [(gpu.uuid, gpu.pci_bus_id, gpu.memory_mib) for gpu in gpus] == [
-        ("GPU-a", "0000:38:00.0", 23034),
-        ("GPU-b", "0000:3a:00.0", 23034),
+    assert [(gpu.uuid, gpu.pci_bus_id, gpu.memory_mib, gpu.minor) for gpu in gpus] == [
+        ("GPU-a", "0000:38:00.0", 23034, 5),
+        ("GPU-b", "0000:3a:00.0", 23034, 2),
     ]
-    assert gpus[1].nodes == (DeviceNode("/dev/nvidia1", NVIDIA_MAJOR, 1),)
+    assert gpus[1].nodes == (DeviceNode("/dev/nvidia2", NVIDIA_MAJOR, 2),)
+
+
+def test_from_nvidia_smi_leaves_a_gpu_without_proc_entry_without_node(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(tmp_path, "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034\n")
+
+    (gpu,) = from_nvidia_smi(str(smi), proc_gpus=tmp_path / "no-such-dir")
+
+    assert (gpu.minor, gpu.nodes) == (None, ())
+
+
+def test_proc_information_of_a_real_h100_gives_its_minor() -> None:
+    info = parse_proc_driver_information(read("proc-driver-nvidia-gpus-information.H100.txt"))
+    assert (info["Device Minor"], info["Bus Location"]) == ("0", "0000:00:06.0")
+    assert info["GPU UUID"] == "GPU-c0baa2b5-e390-bd7a-2aa3-affa1237a2da"
 
 
 def test_from_nvidia_smi_returns_nothing_when_no_devices_were_found(tmp_path: Path) -> None:
@@ -625,7 +655,7 @@ def test_discover_nvidia_falls_back_to_nvidia_smi(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(discovery, "from_nvml", nvml_fails(SourceNotFound("NVML: no library")))
-    smi = fake_nvidia_smi(tmp_path, "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034, 0\n")
+    smi = fake_nvidia_smi(tmp_path, "0, GPU-a, NVIDIA L4, 00000000:38:00.0, 23034\n")
 
     (gpu,) = discover_nvidia(nvidia_smi=str(smi))
 

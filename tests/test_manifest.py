@@ -41,6 +41,9 @@ def test_the_shipped_manifest_loads_against_the_golden_list() -> None:
     assert all(workload.payload is None or workload.payload.is_file() for workload in workloads)
     multi = [workload for workload in workloads if workload.gpus >= 2]
     assert multi, "no multi-GPU workload"
+    # CUDA must work in a sandbox's second command too, in each framework.
+    again = {w.args[1] for w in workloads if w.requirement == "WORKLOAD-CUDA-01" and w.runs >= 2}
+    assert again == {"torch", "cupy"}
 
 
 def write(tmp_path: Path, document: object) -> Path:
@@ -95,6 +98,8 @@ BAD = {
         ["x"],
     ),
     "timeout": ([entry(timeout_s=0)], InvalidValue, "workloads[0].timeout_s", 0),
+    "runs zero": ([entry(runs=0)], InvalidValue, "workloads[0].runs", 0),
+    "runs bool": ([entry(runs=True)], InvalidValue, "workloads[0].runs", True),
     "duplicate": ([entry(), entry()], DuplicateName, "workloads[1].name", "mine"),
 }
 

@@ -99,15 +99,19 @@ def smi(
     env: Mapping[str, str] | None = None,
     binds: Sequence[Bind] = (),
     command: Sequence[str] = (SMI,),
+    control: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the stand-in in a sandbox holding ``nodes`` under /dev, and nothing else of /dev.
+    """Run the stand-in in a sandbox holding ``nodes`` and ``/dev/nvidiactl`` under /dev.
 
+    Nothing else of /dev is there, nor nvidiactl with ``control=False``.
     /tmp and /run are private, so neither the simulated root (under /tmp here) nor any
     other simulated host is visible inside; only its share/ is, at /run/gpu-sim.
     """
     assert BWRAP is not None
     argv = [BWRAP, "--ro-bind", "/", "/", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     argv += ["--ro-bind", str(host.share_dir), SANDBOX_SHARE]
+    if control:
+        argv += ["--dev-bind", str(host.root / "dev" / "nvidiactl"), "/dev/nvidiactl"]
     for source, target in nodes:
         argv += ["--dev-bind", source, target]
     for source, target in binds:
@@ -475,7 +479,7 @@ def test_environment_changes_nothing(host: SimulatedHost, env: dict[str, str]) -
 
     nothing = smi(host, "-L", env=env)
     assert nothing.returncode == NO_DEVICES
-    assert nothing.stdout == ""
+    assert nothing.stdout == "No devices were found\n"
 
 
 @pytest.mark.usefixtures("sandbox")
@@ -495,8 +499,30 @@ def test_environment_changes_nothing(host: SimulatedHost, env: dict[str, str]) -
 def test_bad_arguments_exit_2(host: SimulatedHost, args: list[str], message: str) -> None:
     result = smi(host, *args, nodes=own(host, 0))
     assert result.returncode == BAD_ARGUMENTS
-    assert message in result.stderr
-    assert result.stdout == ""
+    # nvidia-smi prints its errors on stdout.
+    assert message in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_minor_number_is_not_a_field(host: SimulatedHost) -> None:
+    """The real nvidia-smi refuses it (driver 580).
+
+    A simulator kinder than real hosts would let discovery rely on it.
+    """
+    result = smi(host, "--query-gpu=uuid,minor_number", "--format=csv", nodes=own(host, 0))
+    assert result.returncode == BAD_ARGUMENTS
+    assert result.stdout.strip() == 'Field "minor_number" is not a valid field to query.'
+
+
+@pytest.mark.usefixtures("sandbox")
+@pytest.mark.parametrize("args", [["-L"], [QUERY, "--format=csv"], []], ids=["L", "query", "table"])
+def test_no_nvidiactl_means_no_driver(host: SimulatedHost, args: list[str]) -> None:
+    """Without /dev/nvidiactl nvidia-smi cannot reach the driver: exit 9, as on a real host."""
+    result = smi(host, *args, nodes=own(host, 0), control=False)
+    assert result.returncode == 9
+    assert result.stdout.startswith("NVIDIA-SMI has failed because it couldn't communicate")
+    assert "GPU-" not in result.stdout
 
 
 @pytest.fixture

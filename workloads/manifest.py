@@ -11,6 +11,8 @@ workloads:
     expect: pass                    # pass or fail
     image: my/cuda-image:tag        # optional; else --image
     timeout_s: 300                  # optional (default 300)
+    runs: 2                         # optional (default 1): runs in one sandbox, one after
+                                    # the other; each must end as expected
 ```
 
 In ``args`` and ``command``, ``{gpu_uuids}`` becomes the sandbox's GPUs' UUIDs, comma
@@ -39,7 +41,18 @@ DEFAULT_TIMEOUT_S = 300.0
 OUTCOMES = ("pass", "fail")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _KEYS = frozenset(
-    {"name", "requirement", "payload", "command", "args", "gpus", "expect", "image", "timeout_s"}
+    {
+        "name",
+        "requirement",
+        "payload",
+        "command",
+        "args",
+        "gpus",
+        "expect",
+        "image",
+        "timeout_s",
+        "runs",
+    }
 )
 
 
@@ -80,6 +93,9 @@ class Workload:
     args: tuple[str, ...] = ()
     image: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    runs: int = 1
+    """Runs in one sandbox: CUDA must work in every command, not only the first (a nested
+    pid namespace per command broke every CUDA process after the first on an H100)."""
 
     def argv(self, python: str, gpu_uuids: Sequence[str], cpu: bool = False) -> list[str]:
         """The command line that runs this workload, payloads as ``python -c <source>``."""
@@ -176,6 +192,11 @@ def _parse(entry: _Entry, requirements: Collection[str] | None) -> Workload:
     expect = entry.get("expect")
     if expect not in OUTCOMES:
         raise entry.invalid("expect", "must be 'pass' or 'fail'")
+    runs = entry.get("runs", required=False)
+    if runs is None:
+        runs = 1
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise entry.invalid("runs", "must be a whole number, 1 or more")
     return Workload(
         name=name,
         requirement=requirement,
@@ -186,6 +207,7 @@ def _parse(entry: _Entry, requirements: Collection[str] | None) -> Workload:
         args=_strings(entry, "args"),
         image=_image(entry),
         timeout_s=_timeout(entry),
+        runs=runs,
     )
 
 

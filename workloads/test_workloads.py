@@ -33,5 +33,9 @@ def test_workload_ends_as_the_manifest_expects(
         if workload.gpus
         else SandboxSpec(image=image)
     )
-    outcome = run_in_sandbox(sandboxes(spec), workload, workload_python, workload_cpu)
-    assert outcome.verdict == workload.expect, outcome.explain()
+    sandbox = sandboxes(spec)
+    for run in range(1, workload.runs + 1):
+        outcome = run_in_sandbox(sandbox, workload, workload_python, workload_cpu)
+        assert outcome.verdict == workload.expect, (
+            f"run {run} of {workload.runs} in sandbox {sandbox.id}: {outcome.explain()}"
+        )

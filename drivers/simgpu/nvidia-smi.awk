@@ -9,7 +9,8 @@ function hex2dec(h,    i, d) {
 }
 
 function fail(message, code) {
-    print message > "/dev/stderr"
+    # nvidia-smi prints its errors on stdout.
+    print message
     exit_code = code
     exit code
 }
@@ -42,7 +43,6 @@ function value(field, i,    v) {
     if (field == "uuid" || field == "gpu_uuid") return uuid[i]
     if (field == "name" || field == "gpu_name") return name[i]
     if (field == "pci.bus_id" || field == "gpu_bus_id") return bus[i]
-    if (field == "minor_number") return minor[i]
     if (field == "count") return n
     if (field == "driver_version") return "simulated"
     if (field == "memory.total" || field == "memory.free") return mem[i] (nounits ? "" : " MiB")
@@ -56,7 +56,8 @@ function header(field) {
 }
 
 BEGIN {
-    supported = "index,uuid,gpu_uuid,name,gpu_name,pci.bus_id,gpu_bus_id,minor_number,count,driver_version,memory.total,memory.free,memory.used"
+    # No minor_number: the real nvidia-smi has no such field (the minor is in /proc/driver/nvidia).
+    supported = "index,uuid,gpu_uuid,name,gpu_name,pci.bus_id,gpu_bus_id,count,driver_version,memory.total,memory.free,memory.used"
     split(supported, tmp, ","); for (k in tmp) known[tmp[k]] = 1
 
     nl = split(ARGV[2], lines, "\n")
@@ -81,6 +82,8 @@ BEGIN {
         else fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.", 2)
     }
     nid = split(ids, idlist, ",")
+    if (!(255 in visible))
+        fail("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.\n", 9)
 
     n = 0
     while ((getline line < ARGV[1]) > 0) {
