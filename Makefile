@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
 
-.PHONY: conformance test lint bench bench-engines bench-workloads venv host-packages \
+.PHONY: conformance test test-stress lint bench bench-engines bench-workloads venv host-packages \
 	test-packages simulated-host engines engines-stop clean
 
 $(BIN)/.installed: pyproject.toml
@@ -64,8 +64,8 @@ host-packages:
 test-packages:
 	$(call install-missing,chromium+chromium-browser+google-chrome:chromium)
 
-# A real GPU (nvidia-smi lists one) is used as it is; otherwise a simulated host is made,
-# and its CDI spec registered for the container engines (in /var/run/cdi, a tmpfs).
+# A simulated host that stays until `python -m drivers.simgpu teardown --root $(SIM_ROOT)`,
+# for runs of your own with --sim-root; `make conformance` makes one per run instead.
 simulated-host: venv
 	@if nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "real NVIDIA GPUs found: no simulated host"; \
@@ -84,10 +84,12 @@ engines: host-packages
 engines-stop:
 	@$(ENGINES) stop
 
-# Prints the matrix and one verdict per driver; writes the reports (README: Reports).
-conformance: venv host-packages simulated-host
+# Prints the matrix and one verdict per driver; writes the reports (README: Reports). A real
+# GPU (nvidia-smi lists one) is used as it is; otherwise the run makes a simulated host of
+# its own (--sim-gpus), registered with the container engines, and removes it at the end.
+conformance: venv host-packages
 	@mkdir -p $(REPORTS)
-	@sim=""; nvidia-smi -L >/dev/null 2>&1 || sim="--sim-root=$(SIM_ROOT)"; \
+	@sim=""; nvidia-smi -L >/dev/null 2>&1 || sim="--sim-gpus=$(SIM_GPUS)"; \
 	$(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
 	  --conformance-json=$(REPORTS)/conformance.json \
 	  --conformance-html=$(REPORTS)/conformance.html \
@@ -108,6 +110,11 @@ test: venv host-packages test-packages lint
 	@started="$$($(ENGINES) start)" || exit 1; rc=0; \
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
 	[ -z "$$started" ] || $(ENGINES) stop $$started; exit $$rc
+
+# `make test` again and again (fresh clones, CI=true) beside CPU hogs and a conformance loop
+# against the engines; reports pass counts and the tests that failed, by name.
+test-stress: venv host-packages test-packages engines
+	$(BIN)/python -m bench.stress $(STRESS_ARGS)
 
 bench: venv host-packages
 	$(BIN)/python -m bench $(BENCH_ARGS)

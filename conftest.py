@@ -8,9 +8,13 @@ a release gate must never go green by skipping.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import functools
 import os
 import socket
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +26,7 @@ import pytest
 
 from conformance import requirements
 from conformance.report import Entry, Results, entry, text_table, to_markdown, write
-from drivers import REGISTRY, UnknownDriver, get_driver_class
+from drivers import REGISTRY, UnknownDriver, get_driver_class, simgpu
 from drivers.base import Driver, Sandbox
 from drivers.host import GpuHost, HostConfig
 from drivers.spec import SandboxSpec
@@ -47,6 +51,10 @@ class Settings:
 
 settings_key = pytest.StashKey[Settings]()
 _SESSION_KEY = "gpu_sandbox_session"
+_SIM_ROOT_KEY = "gpu_sandbox_sim_root"
+SIM_RUN_DIR = Path("/run/gpu-sandbox-runs")
+"""Where ``--sim-gpus`` makes each run's simulated host: a tmpfs, emptied at boot."""
+CDI_RUN_DIR = Path("/var/run/cdi")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,6 +71,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=Path,
         default=None,
         help="Use the simulated GPU host under this directory (see python -m drivers.simgpu).",
+    )
+    group.addoption(
+        "--sim-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Make a simulated GPU host of N GPUs for this run only (needs root), register its "
+        "CDI spec in /var/run/cdi for the container engines, and remove both at the end. "
+        "Concurrent runs each have their own.",
     )
     group.addoption(
         "--gpu-state-dir",
@@ -116,13 +133,51 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[settings_key] = _settings(config)
+    settings = _settings(config)
+    count = config.getoption("--sim-gpus")
+    if count is not None and not hasattr(config, "workerinput"):
+        if settings.host_config.sim_root is not None:
+            raise pytest.UsageError("--sim-gpus makes a simulated host: give it or --sim-root")
+        sim = _simulated_host_for_this_run(settings.session_id, count)
+        config.add_cleanup(lambda: simgpu.teardown(sim.root))
+        settings.host_config = dataclasses.replace(settings.host_config, sim_root=sim.root)
+    elif settings.host_config.sim_root is None and not hasattr(config, "workerinput"):
+        _one_run_at_a_time(config, settings.host_config.state_directory())
+    config.stash[settings_key] = settings
+
+
+def _one_run_at_a_time(config: pytest.Config, state_dir: Path) -> None:
+    """Wait for any other run on this real host: the catalogue takes every GPU in turn.
+
+    Simulated hosts need no such lock: each run has its own.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "run.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    config.add_cleanup(lambda: os.close(fd))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.stderr.write(f"waiting for another conformance run on this host ({state_dir})\n")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def _simulated_host_for_this_run(session_id: str, count: int) -> simgpu.SimulatedHost:
+    """A simulated host of the run's own under /run (a tmpfs), registered with the engines."""
+    base = SIM_RUN_DIR if os.access(SIM_RUN_DIR.parent, os.W_OK) else Path(tempfile.gettempdir())
+    registry = CDI_RUN_DIR if os.access(CDI_RUN_DIR.parent, os.W_OK) else None
+    try:
+        return simgpu.setup(base / f"run-{session_id}", count, cdi_dir=registry)
+    except simgpu.SimulatedHostError as exc:
+        raise pytest.UsageError(f"--sim-gpus={count}: {exc}") from None
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """Give xdist workers the controller's session id, so that reap finds their sandboxes."""
-    node.workerinput[_SESSION_KEY] = node.config.stash[settings_key].session_id
+    """Give xdist workers the controller's session id and simulated host."""
+    settings = node.config.stash[settings_key]
+    node.workerinput[_SESSION_KEY] = settings.session_id
+    if settings.host_config.sim_root is not None:
+        node.workerinput[_SIM_ROOT_KEY] = str(settings.host_config.sim_root)
 
 
 def _settings(config: pytest.Config) -> Settings:
@@ -135,11 +190,19 @@ def _settings(config: pytest.Config) -> Settings:
     return Settings(
         drivers=drivers,
         explicit=bool(names),
-        host_config=HostConfig(config.getoption("--sim-root"), config.getoption("--gpu-state-dir")),
+        host_config=HostConfig(
+            _worker_sim_root(config) or config.getoption("--sim-root"),
+            config.getoption("--gpu-state-dir"),
+        ),
         session_id=getattr(config, "workerinput", {}).get(_SESSION_KEY) or uuid.uuid4().hex[:16],
         image=config.getoption("--image"),
         reclaim_timeout_s=config.getoption("--reclaim-timeout"),
     )
+
+
+def _worker_sim_root(config: pytest.Config) -> Path | None:
+    root = getattr(config, "workerinput", {}).get(_SIM_ROOT_KEY)
+    return Path(root) if root else None
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from conftest import SandboxFactory, Settings
+from drivers import cdi
 from drivers.base import Driver
-from drivers.cdi import ALL_DEVICES
 from drivers.container import ContainerDriver, ContainerSandbox
 from drivers.errors import GpusExhausted
 from drivers.spec import SandboxSpec
@@ -64,10 +64,10 @@ def test_all_devices_only_when_asked_and_then_every_gpu(
     default = sandboxes(SandboxSpec.with_gpus())
     assert len(uuids(default)) == 1, f"a default request got {uuids(default)}"
     default.close()
-    everything = sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[ALL_DEVICES]))
+    name = cdi.all_devices(engine.cdi_kind)
+    everything = sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[name]))
     assert sorted(uuids(everything)) == sorted(host_gpus), (
-        f"{ALL_DEVICES} should hold all {len(host_gpus)} GPUs; the driver reports "
-        f"{uuids(everything)}"
+        f"{name} should hold all {len(host_gpus)} GPUs; the driver reports {uuids(everything)}"
     )
     assert sorted(visible_gpu_uuids(everything)) == sorted(host_gpus)
     with pytest.raises(GpusExhausted):

@@ -1,9 +1,10 @@
 """The CDI devices a container engine can inject, read from the specs it reads.
 
 Container drivers name GPUs the way their engine does: by CDI name (``nvidia.com/gpu=0``,
-``nvidia.com/gpu=GPU-…``, ``nvidia.com/gpu=all``). Which GPU a name injects is decided by
-the device nodes its spec lists, so the names are matched to host GPUs by node minor, the
-identity the GPUs' ``/dev/nvidia<minor>`` nodes carry, never by trusting the name.
+``nvidia.com/gpu=GPU-…``, ``nvidia.com/gpu=all``; a simulated host has a kind of its own).
+Which GPU a name injects is decided by the device nodes its spec lists, so the names are
+matched to host GPUs by node minor, the identity the GPUs' ``/dev/nvidia<minor>`` nodes
+carry, never by trusting the name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from drivers.gpus import CDI_KIND, NVIDIA_MAJOR, GpuDevice
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 """Where CDI-enabled engines look unless configured otherwise (podman, dockerd, containerd)."""
-ALL_DEVICES = f"{CDI_KIND}=all"
+
+
+def all_devices(kind: str = CDI_KIND) -> str:
+    """The name of every GPU of ``kind`` at once, e.g. ``nvidia.com/gpu=all``."""
+    return f"{kind}=all"
+
+
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 _FIRST_CONTROL_MINOR = 254
 """nvidia-modeset (254) and nvidiactl (255) share the GPUs' major; they are not GPUs."""
@@ -29,7 +36,7 @@ _FIRST_CONTROL_MINOR = 254
 
 @dataclass(frozen=True)
 class CdiRegistry:
-    """The ``nvidia.com/gpu`` devices of the specs in some directories, by GPU node minor."""
+    """The devices of one kind in the specs of some directories, by GPU node minor."""
 
     devices: dict[str, frozenset[int]] = field(default_factory=dict)
     """Fully qualified CDI name → minors of the NVIDIA GPU nodes it injects."""
@@ -39,6 +46,11 @@ class CdiRegistry:
     """Spec files that could not be read, with why."""
     spec_dirs: tuple[Path, ...] = ()
     """The directories the specs were read from."""
+    kind: str = CDI_KIND
+
+    @property
+    def all_devices(self) -> str:
+        return all_devices(self.kind)
 
     def names_of(self, gpu: GpuDevice) -> tuple[str, ...]:
         """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them.
@@ -50,7 +62,7 @@ class CdiRegistry:
         return tuple(
             name
             for name, minors in self.devices.items()
-            if name != ALL_DEVICES
+            if name != self.all_devices
             and minors == {gpu.minor}
             and self.sources.get(name, frozenset()) <= own
         )
@@ -60,8 +72,8 @@ class CdiRegistry:
         return [gpu for gpu in gpus if not self.names_of(gpu)]
 
 
-def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
-    """Read every ``*.yaml``/``*.json`` spec of kind ``nvidia.com/gpu`` in ``spec_dirs``.
+def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) -> CdiRegistry:
+    """Read every ``*.yaml``/``*.json`` spec of ``kind`` in ``spec_dirs``.
 
     As in the CDI library, a later directory overrides an earlier one for the same name.
     """
@@ -77,17 +89,17 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> CdiRegistry:
                 continue
             try:
                 spec = _read(path)
-                if spec.get("kind") != CDI_KIND:
+                if spec.get("kind") != kind:
                     continue
                 common = _gpu_nodes(spec.get("containerEdits") or {})
                 for device in spec.get("devices") or []:
                     nodes = common | _gpu_nodes(device.get("containerEdits") or {})
-                    name = f"{CDI_KIND}={device.get('name')}"
+                    name = f"{kind}={device.get('name')}"
                     devices[name] = frozenset(minor for minor, _ in nodes)
                     sources[name] = frozenset(source for _, source in nodes if source)
             except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as exc:
                 problems.append(f"{path}: {type(exc).__name__}: {exc}")
-    return CdiRegistry(_index_names_first(devices), sources, tuple(problems), spec_dirs)
+    return CdiRegistry(_index_names_first(devices), sources, tuple(problems), spec_dirs, kind)
 
 
 def _read(path: Path) -> dict[str, Any]:

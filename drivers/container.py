@@ -104,8 +104,8 @@ class ContainerDriver(Driver):
             max_gpus_per_sandbox=len(self.host.gpus),
             exact_ids=True,
             exact_id_forms=(
-                f"a CDI name: {CDI_KIND}=<index>, {CDI_KIND}=<UUID>, or "
-                f"{cdi.ALL_DEVICES} for every GPU"
+                f"a CDI name: {self.cdi_kind}=<index>, {self.cdi_kind}=<UUID>, or "
+                f"{cdi.all_devices(self.cdi_kind)} for every GPU"
             ),
             exclusive=True,
         )
@@ -204,10 +204,15 @@ class ContainerDriver(Driver):
             )
         return Availability(True)
 
+    @property
+    def cdi_kind(self) -> str:
+        """The CDI kind of the host's GPUs: NVIDIA's, or a simulated host's own."""
+        return self.host.gpus[0].cdi_kind if self.host.gpus else CDI_KIND
+
     @functools.cached_property
     def cdi_registry(self) -> cdi.CdiRegistry:
         """The specs the engine reads, once per driver; ``EngineError`` when CDI is off."""
-        return cdi.load(self.cdi_spec_dirs())
+        return cdi.load(self.cdi_spec_dirs(), self.cdi_kind)
 
     def inventory(self) -> tuple[GpuDevice, ...]:
         return self.host.gpus
@@ -216,12 +221,13 @@ class ContainerDriver(Driver):
         return self.cdi_registry.names_of(gpu)
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        if cdi.ALL_DEVICES in plan.device_ids:
+        everything = cdi.all_devices(self.cdi_kind)
+        if everything in plan.device_ids:
             if len(plan.device_ids) > 1:
                 raise DuplicateGpuDevice(
                     plan.field,
-                    cdi.ALL_DEVICES,
-                    f"{plan.field} names '{cdi.ALL_DEVICES}', which is every GPU, together with "
+                    everything,
+                    f"{plan.field} names '{everything}', which is every GPU, together with "
                     f"other devices: {list(plan.device_ids)}",
                 )
             return self.inventory()

@@ -9,6 +9,7 @@ NVIDIA_MAJOR = 195
 """Character-device major of /dev/nvidia<minor> and /dev/nvidiactl (minor 255)."""
 NVIDIACTL_MINOR = 255
 CDI_KIND = "nvidia.com/gpu"
+"""The CDI kind of NVIDIA GPUs (``nvidia-ctk cdi generate``); each simulated host has its own."""
 
 _BUS_ID = re.compile(
     r"^(?:(?P<domain>[0-9a-fA-F]{4,8}):)?(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})\.(?P<fn>[0-7])$"
@@ -62,11 +63,12 @@ class GpuDevice:
     vendor: str = "nvidia"
     minor: int | None = None
     nodes: tuple[DeviceNode, ...] = field(default=())
+    cdi_kind: str = CDI_KIND
 
     @property
     def cdi_names(self) -> tuple[str, ...]:
         """The CDI device names an nvidia-ctk spec gives this GPU: by index and by UUID."""
-        return (f"{CDI_KIND}={self.index}", f"{CDI_KIND}={self.uuid}")
+        return (f"{self.cdi_kind}={self.index}", f"{self.cdi_kind}={self.uuid}")
 
     def describe(self) -> str:
         return f"GPU {self.index} ({self.uuid}, {self.pci_bus_id})"

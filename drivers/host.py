@@ -25,6 +25,12 @@ class HostConfig:
     sim_root: Path | None = None
     state_dir: Path | None = None
 
+    def state_directory(self) -> Path:
+        """Where this host's shared state lives: the lease registry, the run lock."""
+        if self.sim_root is not None:
+            return self.state_dir or self.sim_root
+        return self.state_dir or Path(os.environ.get(STATE_DIR_ENV, DEFAULT_STATE_DIR))
+
     def as_args(self) -> list[str]:
         args = [f"--sim-root={self.sim_root}"] if self.sim_root else []
         return args + ([f"--gpu-state-dir={self.state_dir}"] if self.state_dir else [])
@@ -52,12 +58,11 @@ class GpuHost:
             )
         from drivers.discovery import discover_nvidia
 
-        state_dir = config.state_dir or Path(os.environ.get(STATE_DIR_ENV, DEFAULT_STATE_DIR))
         return cls(
             config=config,
             gpus=discover_nvidia(),
             control_nodes=_real_control_nodes(),
-            leases=LeaseRegistry(state_dir / "leases"),
+            leases=LeaseRegistry(config.state_directory() / "leases"),
         )
 
     def describe(self) -> str:

@@ -4,11 +4,13 @@ Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.8 or newer), ``ns
 and ``setpriv`` (util-linux), and NVIDIA GPUs, real or simulated
 (``drivers.simgpu``).
 
-Each sandbox is a read-only view of the host root with a private ``/dev`` holding only
-its GPUs' ``/dev/nvidia<minor>`` nodes and the control nodes, private ``/tmp`` and
-``/run``, no network, its own pid namespace, and (on a real host) a
-``/proc/driver/nvidia/gpus`` listing only its GPUs. It lives until closed and dies with
-the process that created it. Commands run inside it with ``nsenter`` into its namespaces.
+Each sandbox's root is read-only and holds the host's system directories (``/usr``,
+``/etc`` without its credentials, ``/opt``, ``/sys``) and nothing else of the host: a
+private ``/dev`` holding only its GPUs' ``/dev/nvidia<minor>`` nodes and the control
+nodes, private ``/tmp``, ``/var/tmp`` and ``/run``, no network, its own pid namespace,
+and (on a real host) a ``/proc/driver/nvidia/gpus`` listing only its GPUs. It lives until
+closed and dies with the process that created it. Commands run inside it with ``nsenter``
+into its namespaces.
 GPUs come from the host-wide lease registry: exclusive, lowest free first.
 """
 
@@ -41,8 +43,8 @@ from drivers.wait import wait_until
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
 START_ATTEMPTS = 3
-"""bwrap copies the host's mount tree for its read-only root and fails when a mount vanishes
-while it does (a container stopping on the host); the next try sees the new mount table."""
+"""bwrap copies the mounts under each directory it binds and fails when one vanishes while
+it does (a mount under /opt or /sys going away); the next try sees the new mount table."""
 _MOUNT_CHURN = "Unable to apply mount flags: remount"
 CLOSE_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 5.0
@@ -55,7 +57,19 @@ _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
 """The environment of the host-side bwrap and nsenter: fixed, never the user's."""
 _TOOLS = ("bwrap", "nsenter", "setpriv", "env")
-_HIDDEN_BY_TMPFS = (Path("/tmp"), Path("/run"))
+_SYSTEM_DIRS = tuple(
+    Path("/", name)
+    for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "sys")
+)
+"""What a sandbox's root holds of the host, read-only: programs, libraries, configuration,
+add-on software (/opt: a GPU host's frameworks often live there) and /sys for NVML."""
+_ETC_SECRETS = tuple(
+    Path("/etc", name)
+    for name in (
+        "shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "ssl/private"
+    )
+)  # fmt: skip
+"""Credentials under /etc that a sandbox run by root could otherwise read."""
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 _SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 
@@ -137,10 +151,12 @@ class ReferenceDriver(Driver):
             env=HOST_ENV,
         )
         if trial.returncode != 0:
+            # bwrap's own message says why; an option it does not know means it is too old.
+            hint = "; bwrap 0.8 or newer is needed" if "Unknown option" in trial.stderr else ""
             return Availability(
                 False,
-                f"needed bwrap 0.8+ able to start a sandbox (found: exit {trial.returncode}, "
-                f"{trial.stderr.strip()}; unprivileged user namespaces may be disabled)",
+                f"needed bwrap able to start a sandbox (found: bwrap exited {trial.returncode}: "
+                f"{trial.stderr.strip()}{hint})",
             )
         return Availability(True)
 
@@ -214,7 +230,7 @@ class ReferenceDriver(Driver):
         """The bwrap command line of a sandbox holding ``gpus``."""
         argv = [
             tool("bwrap"),
-            "--ro-bind", "/", "/",
+            *self.root_argv(),
             "--dev", "/dev",
             "--proc", "/proc",
             "--tmpfs", "/tmp",
@@ -229,28 +245,46 @@ class ReferenceDriver(Driver):
             "--setenv", SANDBOX_ENV, sandbox_id,
         ]  # fmt: skip
         # The host's own GPU state (a simulated host's nodes, the lease file, which names every
-        # sandbox's GPUs) stays out of sight: under /tmp or /run it already is.
+        # sandbox's GPUs) stays out of sight where a system directory would show it.
         sim = self.host.simulated
         self.host.leases.directory.mkdir(parents=True, exist_ok=True)
         for state in (sim.root if sim else None, self.host.leases.directory):
-            if state is not None:
-                resolved = state.resolve()
-                if not any(resolved.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
-                    argv += ["--tmpfs", str(resolved)]
+            if state is not None and _under_system_dirs(state.resolve()):
+                argv += ["--tmpfs", str(state.resolve())]
         if sim is not None:
             argv += ["--ro-bind", str(sim.share_dir), SANDBOX_SHARE]
-        # The suite's own Python (the workload lane runs it inside) stays visible, read-only,
-        # where the sandbox has a private tmpfs: a checkout under /tmp keeps its venv there.
-        prefix = Path(sys.prefix).resolve()
-        if any(prefix.is_relative_to(hidden) for hidden in _HIDDEN_BY_TMPFS):
-            argv += ["--ro-bind", str(prefix), str(prefix)]
+        # The suite's own Python, which the workload lane runs inside, after the tmpfs mounts
+        # (a checkout under /tmp keeps its venv there).
+        for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
+            if not _under_system_dirs(prefix):
+                argv += ["--ro-bind", str(prefix), str(prefix)]
         # Device binds come after `--dev /dev`, which would otherwise hide them.
         if gpus:
             for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:
                 argv += ["--dev-bind", node.source, node.path]
         if sim is None:
             argv += _real_gpu_masks(self.host.gpus, gpus)
-        return argv
+        return [*argv, "--remount-ro", "/"]
+
+    def root_argv(self) -> list[str]:
+        """The sandbox's root: the host's system directories, read-only, and nothing else.
+
+        Not the host's root: that would show other containers' root filesystems, the
+        engines' state, home directories and the host's /run, and a container mount
+        vanishing while bwrap copies the mount tree would fail the sandbox's start.
+        """
+        argv: list[str] = []
+        for path in _SYSTEM_DIRS:
+            if path.is_symlink():  # /bin -> usr/bin on a merged-/usr system
+                argv += ["--symlink", os.readlink(path), str(path)]
+            elif path.is_dir():
+                argv += ["--ro-bind", str(path), str(path)]
+        for secret in _ETC_SECRETS:
+            if secret.is_dir():
+                argv += ["--tmpfs", str(secret)]
+            elif secret.exists():
+                argv += ["--ro-bind", "/dev/null", str(secret)]
+        return [*argv, "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
         path = _BASE_PATH if self.host.simulated is None else f"{SANDBOX_SHARE}/bin:{_BASE_PATH}"
@@ -419,6 +453,10 @@ class ReferenceSandbox(Sandbox):
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)
+
+
+def _under_system_dirs(path: Path) -> bool:
+    return any(path.is_relative_to(d) for d in _SYSTEM_DIRS if not d.is_symlink())
 
 
 def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -> list[str]:

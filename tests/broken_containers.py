@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import ClassVar
 
-from drivers.cdi import ALL_DEVICES
+from drivers import cdi
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.gpus import GpuDevice
@@ -45,7 +45,7 @@ class AllOnDefault(BrokenContainerDriver):
 
     def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
         if plan is not None and not plan.device_ids:
-            return (ALL_DEVICES,)
+            return (cdi.all_devices(self.cdi_kind),)
         return super().cdi_devices(plan, gpus)
 
 
@@ -78,7 +78,7 @@ class AllHoldsOne(BrokenContainerDriver):
     BREAKS = "GPU-ALL-01"
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        if ALL_DEVICES in plan.device_ids:
+        if cdi.all_devices(self.cdi_kind) in plan.device_ids:
             return self.inventory()[:1]
         return super().resolve(plan)
 

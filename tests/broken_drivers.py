@@ -10,10 +10,12 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import ClassVar
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult
@@ -32,6 +34,9 @@ from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 
 class BrokenDriver(ReferenceDriver):
     BREAKS: ClassVar[str]
+    BREAKS_ONE_OF: ClassVar[frozenset[str]] = frozenset()
+    """For a defect that fails at random (a race): the requirements it may fail first, of
+    which the run must fail at least one. ``BREAKS`` is always among them."""
 
 
 class GpuWithoutRequest(BrokenDriver):
@@ -225,6 +230,8 @@ class NoLocking(BrokenDriver):
     """The lease registry takes no lock: concurrent threads double-grant."""
 
     BREAKS = "GPU-CONCURRENT-01"
+    # A race: threads double-grant, processes too, or two writers corrupt the lease file.
+    BREAKS_ONE_OF = frozenset({"GPU-CONCURRENT-01", "GPU-CONCURRENT-02"})
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         host = dataclasses.replace(host, leases=_UnlockedRegistry(host.leases.directory))
@@ -235,6 +242,7 @@ class ThreadsOnlyLock(BrokenDriver):
     """The lease registry locks threads but not processes."""
 
     BREAKS = "GPU-CONCURRENT-02"
+    BREAKS_ONE_OF = frozenset({"GPU-CONCURRENT-02"})
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         host = dataclasses.replace(host, leases=_ThreadLockedRegistry(host.leases.directory))
@@ -271,6 +279,27 @@ class OutlivesItsCreator(BrokenDriver):
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         return [arg for arg in super().bwrap_argv(sandbox_id, gpus) if arg != "--die-with-parent"]
+
+
+class HostRootVisible(BrokenDriver):
+    """The sandbox's root is the host's whole root, read-only: homes, engines' storage..."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def root_argv(self) -> list[str]:
+        return ["--ro-bind", "/", "/"]
+
+
+class SharedScratch(BrokenDriver):
+    """Every sandbox of a session gets the same host directory as its /tmp."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        shared = Path(tempfile.gettempdir()) / f"gpu-sandbox-shared-{self.session_id}"
+        shared.mkdir(exist_ok=True)
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        return [*argv[:-2], "--bind", str(shared), "/tmp", *argv[-2:]]  # before --remount-ro
 
 
 class ReapDoesNothing(BrokenDriver):

@@ -28,7 +28,7 @@ def test_a_recorded_nvidia_ctk_spec_names_its_gpu_by_index_and_uuid(tmp_path: Pa
     assert registry.problems == ()
     gpu = _real_gpu(0, T4_UUID)
     assert registry.names_of(gpu) == ("nvidia.com/gpu=0", f"nvidia.com/gpu={T4_UUID}")
-    assert cdi.ALL_DEVICES in registry.devices  # known, but never one GPU's own name
+    assert cdi.all_devices() in registry.devices  # known, but never one GPU's own name
     assert registry.missing([gpu, _real_gpu(1, "GPU-other")]) == [_real_gpu(1, "GPU-other")]
 
 
@@ -46,10 +46,28 @@ def test_another_simulated_hosts_spec_does_not_name_our_gpus(tmp_path: Path) -> 
     registered = tmp_path / "cdi"
     ours = simgpu.setup(tmp_path / "ours", 2)
     theirs = simgpu.setup(tmp_path / "theirs", 2, cdi_dir=registered)
-    registry = cdi.load([registered])
+    # Even read under our kind: the names are another host's.
+    spec = yaml.safe_load(theirs.cdi_spec.read_text())
+    (registered / "theirs-as-ours.yaml").write_text(yaml.safe_dump({**spec, "kind": ours.cdi_kind}))
+    registry = cdi.load([registered], ours.cdi_kind)
     assert [registry.names_of(gpu) for gpu in ours.gpus] == [(), ()]
     assert registry.missing(ours.gpus) == list(ours.gpus)
-    assert registry.names_of(theirs.gpus[1])[0] == "nvidia.com/gpu=1"
+    assert cdi.load([registered], theirs.cdi_kind).names_of(theirs.gpus[1])[0] == (
+        f"{theirs.cdi_kind}=1"
+    )
+
+
+def test_simulated_hosts_registered_at_once_keep_their_names_apart(tmp_path: Path) -> None:
+    """Each host has a kind of its own: both resolve "=0" to their own GPU 0 (concurrent runs)."""
+    registered = tmp_path / "cdi"
+    first = simgpu.setup(tmp_path / "first", 2, cdi_dir=registered)
+    second = simgpu.setup(tmp_path / "second", 2, cdi_dir=registered)
+    assert first.cdi_kind != second.cdi_kind
+    for host in (first, second):
+        registry = cdi.load([registered], host.cdi_kind)
+        assert registry.problems == ()
+        assert registry.devices[f"{host.cdi_kind}=0"] == {host.gpus[0].minor}
+        assert registry.missing(host.gpus) == []
 
 
 def test_a_later_directory_overrides_and_unreadable_specs_are_reported(tmp_path: Path) -> None:
@@ -73,6 +91,15 @@ def test_teardown_unregisters_only_its_own_spec(tmp_path: Path) -> None:
     first = simgpu.setup(tmp_path / "first", 1, cdi_dir=registered)
     second = simgpu.setup(tmp_path / "second", 1, cdi_dir=registered)
     simgpu.teardown(first.root)
-    assert (registered / simgpu.REGISTERED_SPEC).is_file()
+    assert [cdi.load([registered], second.cdi_kind).names_of(g) for g in second.gpus] != [()]
+    assert len(list(registered.iterdir())) == 1
     simgpu.teardown(second.root)
-    assert not (registered / simgpu.REGISTERED_SPEC).exists()
+    assert list(registered.iterdir()) == []
+
+
+def test_setup_prunes_registrations_of_hosts_that_are_gone(tmp_path: Path) -> None:
+    registered = tmp_path / "cdi"
+    crashed = simgpu.setup(tmp_path / "crashed", 1, cdi_dir=registered)
+    shutil.rmtree(crashed.root)  # a run killed before its teardown
+    alive = simgpu.setup(tmp_path / "alive", 1, cdi_dir=registered)
+    assert [p.read_text() for p in registered.iterdir()] == [alive.cdi_spec.read_text()]

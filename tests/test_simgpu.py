@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drivers.gpus import CDI_KIND, NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
+from drivers.gpus import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
 from drivers.simgpu import (
     DGX_BUSES,
     MEMORY_MIB,
@@ -78,13 +78,19 @@ def sandbox() -> None:
         pytest.skip(f"bwrap cannot start a sandbox here: {trial.stderr.strip()}")
 
 
-def own(host: SimulatedHost, *minors: int) -> list[Bind]:
-    """The GPUs' own nodes, bound at their own names."""
-    return [(str(host.root / "dev" / f"nvidia{m}"), f"/dev/nvidia{m}") for m in minors]
+def own(host: SimulatedHost, *indices: int) -> list[Bind]:
+    """The nodes of the host's GPUs ``indices`` (PCI order), bound at their own names."""
+    return [(node(host, i), f"/dev/nvidia{nth(host, i).minor}") for i in indices]
 
 
-def by_minor(host: SimulatedHost, minor: int) -> GpuDevice:
-    return next(gpu for gpu in host.gpus if gpu.minor == minor)
+def nth(host: SimulatedHost, index: int) -> GpuDevice:
+    """The host's GPU ``index``, in PCI order (its minor is another number)."""
+    return host.gpus[index]
+
+
+def node(host: SimulatedHost, index: int) -> str:
+    """The host path of GPU ``index``'s node."""
+    return str(host.root / "dev" / f"nvidia{nth(host, index).minor}")
 
 
 def smi_bus(gpu: GpuDevice) -> str:
@@ -174,7 +180,9 @@ def test_opening_a_node_fails_as_with_no_driver(host: SimulatedHost) -> None:
 def test_inventory(host: SimulatedHost) -> None:
     gpus = host.gpus
     assert [gpu.index for gpu in gpus] == [0, 1, 2, 3]
-    assert [gpu.minor for gpu in gpus] == [0, 1, 2, 3]
+    # As on real hosts, no GPU's node carries its index: /dev/nvidia<index> is another GPU.
+    assert sorted(gpu.minor for gpu in gpus if gpu.minor is not None) == [0, 1, 2, 3]
+    assert all(gpu.minor != gpu.index for gpu in gpus)
     assert [gpu.pci_bus_id for gpu in gpus] == [f"0000:{bus}:00.0" for bus in DGX_BUSES[:4]]
     assert [gpu.pci_bus_id for gpu in gpus] == sorted(gpu.pci_bus_id for gpu in gpus)
     assert len({gpu.uuid for gpu in gpus}) == 4
@@ -199,7 +207,8 @@ def test_shared_files(host: SimulatedHost) -> None:
         if not line.startswith("#")
     ]
     assert rows == [
-        [str(gpu.minor), gpu.uuid, gpu.name, smi_bus(gpu), str(MEMORY_MIB)] for gpu in host.gpus
+        [str(gpu.minor), gpu.uuid, gpu.name, smi_bus(gpu), str(MEMORY_MIB)]
+        for gpu in sorted(host.gpus, key=lambda gpu: gpu.minor or 0)
     ]
     assert host.lease_dir.is_dir()
 
@@ -229,8 +238,9 @@ def test_load_numbers_the_inventory_in_pci_order(tmp_path: Path) -> None:
 def test_more_gpus_than_a_dgx(tmp_path: Path) -> None:
     sim = make_host(tmp_path / "root", 10)
     assert [gpu.pci_bus_id for gpu in sim.gpus[8:]] == ["0000:e0:00.0", "0000:e1:00.0"]
-    assert [gpu.minor for gpu in sim.gpus] == list(range(10))
+    assert sorted(gpu.minor or 0 for gpu in sim.gpus) == list(range(10))
     assert [gpu.index for gpu in sim.gpus] == list(range(10))
+    assert all(gpu.minor != gpu.index for gpu in sim.gpus)
 
 
 def test_setup_either_makes_41_gpus_or_refuses_cleanly(tmp_path: Path) -> None:
@@ -297,7 +307,9 @@ def test_cdi_spec(host: SimulatedHost) -> None:
     spec = yaml.safe_load(host.cdi_spec.read_text())
     assert host.cdi_spec == host.root / "cdi" / "nvidia-sim.yaml"
     assert spec["cdiVersion"] == "0.5.0"
-    assert spec["kind"] == CDI_KIND == "nvidia.com/gpu"
+    assert spec["kind"] == host.cdi_kind
+    assert host.cdi_kind.startswith("sim-")
+    assert host.cdi_kind.endswith(".nvidia.com/gpu")
 
     def gpu_node(gpu: GpuDevice) -> dict[str, object]:
         return {
@@ -314,7 +326,7 @@ def test_cdi_spec(host: SimulatedHost) -> None:
     for gpu in host.gpus:
         assert devices[str(gpu.index)] == {"deviceNodes": [gpu_node(gpu)]}
         assert devices[gpu.uuid] == {"deviceNodes": [gpu_node(gpu)]}
-        assert f"{CDI_KIND}={gpu.index}" in gpu.cdi_names
+        assert f"{host.cdi_kind}={gpu.index}" in gpu.cdi_names
     assert devices["all"] == {"deviceNodes": [gpu_node(gpu) for gpu in host.gpus]}
 
     edits = spec["containerEdits"]
@@ -360,7 +372,7 @@ def test_the_sandbox_sees_the_share_but_not_the_root(host: SimulatedHost) -> Non
 def test_list_shows_exactly_the_bound_gpus(host: SimulatedHost, minors: tuple[int, ...]) -> None:
     result = smi(host, "-L", nodes=own(host, *minors))
     assert result.returncode == 0, result.stderr
-    bound = sorted((by_minor(host, m) for m in minors), key=lambda gpu: gpu.pci_bus_id)
+    bound = sorted((nth(host, m) for m in minors), key=lambda gpu: gpu.pci_bus_id)
     assert result.stdout == listing(*bound)
 
 
@@ -368,7 +380,7 @@ def test_list_shows_exactly_the_bound_gpus(host: SimulatedHost, minors: tuple[in
 def test_query_csv(host: SimulatedHost) -> None:
     result = smi(host, QUERY, "--format=csv", nodes=own(host, 1, 3))
     assert result.returncode == 0, result.stderr
-    gpu1, gpu3 = by_minor(host, 1), by_minor(host, 3)
+    gpu1, gpu3 = nth(host, 1), nth(host, 3)
     assert result.stdout.splitlines() == [
         "index, uuid, name, pci.bus_id, memory.total [MiB]",
         f"0, {gpu1.uuid}, {MODEL}, {smi_bus(gpu1)}, {MEMORY_MIB} MiB",
@@ -381,7 +393,7 @@ def test_query_csv(host: SimulatedHost) -> None:
 def test_query_csv_noheader_nounits(host: SimulatedHost) -> None:
     result = smi(host, QUERY, "--format=csv,noheader,nounits", nodes=own(host, 0))
     assert result.returncode == 0, result.stderr
-    gpu = by_minor(host, 0)
+    gpu = nth(host, 0)
     assert result.stdout == f"0, {gpu.uuid}, {MODEL}, {smi_bus(gpu)}, {MEMORY_MIB}\n"
 
 
@@ -389,8 +401,8 @@ def test_query_csv_noheader_nounits(host: SimulatedHost) -> None:
 def test_table_without_arguments(host: SimulatedHost) -> None:
     result = smi(host, nodes=own(host, 2))
     assert result.returncode == 0, result.stderr
-    assert smi_bus(by_minor(host, 2)) in result.stdout
-    assert smi_bus(by_minor(host, 0)) not in result.stdout
+    assert smi_bus(nth(host, 2)) in result.stdout
+    assert smi_bus(nth(host, 0)) not in result.stdout
 
 
 @pytest.mark.usefixtures("sandbox")
@@ -407,21 +419,21 @@ def test_table_without_arguments(host: SimulatedHost) -> None:
     ],
 )
 def test_select_one_gpu(host: SimulatedHost, select: list[str], minor: int) -> None:
-    select = [arg.replace("uuid:1", by_minor(host, 1).uuid) for arg in select]
+    select = [arg.replace("uuid:1", nth(host, 1).uuid) for arg in select]
     result = smi(
         host, *select, "--query-gpu=index,uuid", "--format=csv,noheader", nodes=own(host, 0, 1, 2)
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"{minor}, {by_minor(host, minor).uuid}\n"
+    assert result.stdout == f"{minor}, {nth(host, minor).uuid}\n"
 
 
 @pytest.mark.usefixtures("sandbox")
 def test_select_several_gpus(host: SimulatedHost) -> None:
-    result = smi(host, "-L", "-i", f"0,{by_minor(host, 2).uuid}", nodes=own(host, 0, 1, 2))
+    result = smi(host, "-L", "-i", f"0,{nth(host, 2).uuid}", nodes=own(host, 0, 1, 2))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        f"GPU 0: {MODEL} (UUID: {by_minor(host, 0).uuid})",
-        f"GPU 2: {MODEL} (UUID: {by_minor(host, 2).uuid})",
+        f"GPU 0: {MODEL} (UUID: {nth(host, 0).uuid})",
+        f"GPU 2: {MODEL} (UUID: {nth(host, 2).uuid})",
     ]
 
 
@@ -431,7 +443,7 @@ def test_index_is_the_sandboxs_not_the_hosts(host: SimulatedHost) -> None:
         host, "-i", "1", "--query-gpu=uuid", "--format=csv,noheader", nodes=own(host, 1, 3)
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"{by_minor(host, 3).uuid}\n"
+    assert result.stdout == f"{nth(host, 3).uuid}\n"
 
 
 @pytest.mark.usefixtures("sandbox")
@@ -444,7 +456,7 @@ def test_index_is_the_sandboxs_not_the_hosts(host: SimulatedHost) -> None:
     ],
 )
 def test_an_unbound_gpu_cannot_be_selected(host: SimulatedHost, select: list[str]) -> None:
-    select = [arg.replace("uuid:3", by_minor(host, 3).uuid) for arg in select]
+    select = [arg.replace("uuid:3", nth(host, 3).uuid) for arg in select]
     result = smi(host, "-L", *select, nodes=own(host, 0))
     assert result.returncode == NO_DEVICES
     assert "No devices were found" in result.stdout + result.stderr
@@ -475,7 +487,7 @@ def test_no_node_means_no_devices(host: SimulatedHost, args: list[str]) -> None:
 def test_environment_changes_nothing(host: SimulatedHost, env: dict[str, str]) -> None:
     result = smi(host, "-L", nodes=own(host, 2, 3), env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == listing(by_minor(host, 2), by_minor(host, 3))
+    assert result.stdout == listing(nth(host, 2), nth(host, 3))
 
     nothing = smi(host, "-L", env=env)
     assert nothing.returncode == NO_DEVICES
@@ -543,24 +555,24 @@ def test_nodes_that_are_not_gpus_are_not_counted(
     regular = tmp_path / "regular-file"
     regular.write_text("")
     impostors: list[Bind] = [
-        ("/dev/null", "/dev/nvidia0"),
-        (str(wrong_major_node), "/dev/nvidia2"),
-        (str(host.root / "dev" / "nvidiactl"), "/dev/nvidia3"),
-        (str(regular), "/dev/nvidia5"),
+        ("/dev/null", "/dev/nvidia4"),
+        (str(wrong_major_node), "/dev/nvidia6"),
+        (str(host.root / "dev" / "nvidiactl"), "/dev/nvidia7"),
+        (str(regular), "/dev/nvidia9"),
     ]
     alone = smi(host, "-L", nodes=impostors)
     assert alone.returncode == NO_DEVICES, alone.stdout
     result = smi(host, "-L", nodes=[*impostors, *own(host, 1)])
     assert result.returncode == 0, result.stderr
-    assert result.stdout == listing(by_minor(host, 1))
+    assert result.stdout == listing(nth(host, 1))
 
 
 @pytest.mark.usefixtures("sandbox")
 def test_a_renamed_node_is_known_by_its_minor(host: SimulatedHost) -> None:
-    renamed: list[Bind] = [(str(host.root / "dev" / "nvidia3"), "/dev/nvidia0")]
+    renamed: list[Bind] = [(node(host, 3), f"/dev/nvidia{nth(host, 0).minor}")]
     result = smi(host, "-L", nodes=renamed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == listing(by_minor(host, 3))
+    assert result.stdout == listing(nth(host, 3))
 
 
 @pytest.fixture
@@ -587,14 +599,14 @@ def test_runs_under_busybox_sh_and_awk(host: SimulatedHost, busybox_bin: Path) -
             command=(str(BUSYBOX), "sh", SMI),
         )
 
-    renamed: list[Bind] = [(str(host.root / "dev" / "nvidia3"), "/dev/nvidia0")]
-    result = run("-L", nodes=[*renamed, *own(host, 1), ("/dev/null", "/dev/nvidia2")])
+    renamed: list[Bind] = [(node(host, 3), f"/dev/nvidia{nth(host, 0).minor}")]
+    result = run("-L", nodes=[*renamed, *own(host, 1), ("/dev/null", "/dev/nvidia8")])
     assert result.returncode == 0, result.stderr
-    assert result.stdout == listing(by_minor(host, 1), by_minor(host, 3))
+    assert result.stdout == listing(nth(host, 1), nth(host, 3))
 
     query = run(QUERY, "--format=csv", "-i", "0000:5d:00.0", nodes=renamed)
     assert query.returncode == 0, query.stderr
-    gpu = by_minor(host, 3)
+    gpu = nth(host, 3)
     assert query.stdout.splitlines() == [
         "index, uuid, name, pci.bus_id, memory.total [MiB]",
         f"0, {gpu.uuid}, {MODEL}, {smi_bus(gpu)}, {MEMORY_MIB} MiB",

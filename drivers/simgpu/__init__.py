@@ -6,18 +6,22 @@
   ``nvidiactl`` (195:255), ``nvidia-uvm`` and ``nvidia-uvm-tools``. ``stat()`` works on
   them and ``open()`` fails with ENXIO, exactly as on a host whose driver is unloaded, so a
   sandbox can be given (or denied) a GPU by its device node, as on a real host;
-- ``share/inventory.tsv``: minor, UUID, name, PCI bus id and memory of every GPU;
+- ``share/inventory.tsv``: minor, UUID, name, PCI bus id and memory of every GPU; as on
+  real hosts, the minors are not in PCI order (GPU 0 is not ``/dev/nvidia0``), so a driver
+  must carry each GPU by its own node;
 - ``share/bin/nvidia-smi``: a stand-in that reports exactly the GPUs whose
   ``/dev/nvidia<minor>`` nodes it can see (``-L``, ``-i``, ``--query-gpu``), so nothing a
   driver puts in the environment can fake visibility;
 - ``cdi/nvidia-sim.yaml``: a CDI spec (cdiVersion 0.5.0, the newest podman 4.3 reads) with
-  kind ``nvidia.com/gpu`` and devices by index, by UUID and ``all``, for the engine lanes;
+  devices by index, by UUID and ``all``, for the engine lanes, under a CDI kind of this
+  host's own, ``sim-<token>.nvidia.com/gpu``: engines resolve a name from every spec they
+  read, so hosts sharing ``nvidia.com/gpu=0`` would make each other's names ambiguous;
 - ``leases/``: the simulated host's own lease registry.
 
 ``setup(..., cdi_dir=Path("/var/run/cdi"))`` also registers the CDI spec with the container
-engines, as ``gpu-sandbox-sim.yaml``. Engines resolve a CDI name from every spec they read,
-so one simulated host at a time can be registered: the last one set up wins, and
-``teardown`` unregisters its own.
+engines, as ``gpu-sandbox-sim-<token>.yaml``; any number of simulated hosts can be
+registered at once (concurrent runs, xdist workers), ``teardown`` unregisters its own, and
+``setup`` removes the registrations of hosts that no longer exist.
 
 Inside a sandbox, ``share/`` is mounted at ``/run/gpu-sim`` (``SANDBOX_SHARE``).
 """
@@ -35,7 +39,6 @@ from pathlib import Path
 import yaml
 
 from drivers.gpus import (
-    CDI_KIND,
     NVIDIA_MAJOR,
     NVIDIACTL_MINOR,
     DeviceNode,
@@ -54,6 +57,8 @@ UVM_MAJOR = 511
 # The bus ids of an 8-GPU DGX H100 (from recorded lspci captures), then made-up ones.
 DGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 _MARKER = "simulated-gpu-host"
+CDI_VENDOR_SUFFIX = ".nvidia.com"
+REGISTERED_PREFIX = "gpu-sandbox-sim-"
 
 
 class SimulatedHostError(RuntimeError):
@@ -64,6 +69,7 @@ class SimulatedHostError(RuntimeError):
 class SimulatedHost:
     root: Path
     gpus: tuple[GpuDevice, ...]
+    cdi_kind: str
 
     @property
     def share_dir(self) -> Path:
@@ -96,9 +102,6 @@ _CONTROL_NODES = (
 )
 
 
-REGISTERED_SPEC = "gpu-sandbox-sim.yaml"
-
-
 def setup(
     root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT, cdi_dir: Path | None = None
 ) -> SimulatedHost:
@@ -117,15 +120,16 @@ def setup(
     (root / _MARKER).write_text("created by drivers.simgpu; remove with `teardown`\n")
 
     rows = []
-    for minor in range(count):
-        rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, _bus_id(minor), MEMORY_MIB))
+    for position in range(count):
+        minor = _minor(position, count)
+        rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, _bus_id(position), MEMORY_MIB))
         _mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
     for name, major, minor in _CONTROL_NODES:
         _mknod(dev / name, major, minor)
 
     (root / "share" / "inventory.tsv").write_text(
         "# minor\tuuid\tname\tpci.bus_id\tmemory.total [MiB]\n"
-        + "".join("\t".join(map(str, row)) + "\n" for row in rows)
+        + "".join("\t".join(map(str, row)) + "\n" for row in sorted(rows))
     )
     package = resources.files(__package__)
     for name in ("nvidia-smi", "nvidia-smi.awk"):
@@ -133,13 +137,16 @@ def setup(
         target.write_bytes(package.joinpath(name).read_bytes())
         target.chmod(0o755)
 
+    token = uuid.uuid4().hex[:8]
+    (root / "cdi").mkdir()
+    (root / "cdi" / "kind").write_text(f"sim-{token}{CDI_VENDOR_SUFFIX}/gpu\n")
     host = load(root)
-    host.cdi_spec.parent.mkdir()
     host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
     host.lease_dir.mkdir()
     if cdi_dir is not None:
         cdi_dir.mkdir(parents=True, exist_ok=True)
-        registered = cdi_dir / REGISTERED_SPEC
+        _prune_registrations(cdi_dir)
+        registered = cdi_dir / f"{REGISTERED_PREFIX}{token}.yaml"
         registered.with_suffix(".tmp").write_text(host.cdi_spec.read_text())
         registered.with_suffix(".tmp").rename(registered)  # engines never read half a spec
         (root / "cdi" / "registered").write_text(f"{registered}\n")
@@ -153,6 +160,7 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
             f"{root} is not a simulated GPU host (no {_MARKER} marker); "
             f"create one with `python -m drivers.simgpu setup --root {root}`"
         )
+    kind = (root / "cdi" / "kind").read_text().strip()
     gpus: list[GpuDevice] = []
     for line in (root / "share" / "inventory.tsv").read_text().splitlines():
         if not line or line.startswith("#"):
@@ -170,9 +178,10 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
                 nodes=(
                     DeviceNode(f"/dev/{node}", NVIDIA_MAJOR, int(minor), str(root / "dev" / node)),
                 ),
+                cdi_kind=kind,
             )
         )
-    return SimulatedHost(root=root, gpus=sorted_by_pci(gpus))
+    return SimulatedHost(root=root, gpus=sorted_by_pci(gpus), cdi_kind=kind)
 
 
 def teardown(root: Path = DEFAULT_ROOT) -> None:
@@ -183,14 +192,20 @@ def teardown(root: Path = DEFAULT_ROOT) -> None:
         raise SimulatedHostError(f"refusing to remove {root}: not a simulated GPU host")
     registration = root / "cdi" / "registered"
     if registration.is_file():
-        registered = Path(registration.read_text().strip())
-        # Unregister only our own spec: another host may have been registered since.
-        if (
-            registered.is_file()
-            and registered.read_text() == (root / "cdi" / "nvidia-sim.yaml").read_text()
-        ):
-            registered.unlink()
+        Path(registration.read_text().strip()).unlink(missing_ok=True)
     shutil.rmtree(root)
+
+
+def _prune_registrations(cdi_dir: Path) -> None:
+    """Unregister the specs of simulated hosts that are gone (a run killed before teardown)."""
+    for spec in cdi_dir.glob(f"{REGISTERED_PREFIX}*.yaml"):
+        try:
+            nodes = yaml.safe_load(spec.read_text())["containerEdits"]["deviceNodes"]
+            gone = not Path(nodes[0]["hostPath"]).exists()
+        except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
+            continue  # not ours to judge
+        if gone:
+            spec.unlink(missing_ok=True)
 
 
 def cdi_spec(host: SimulatedHost) -> dict[str, object]:
@@ -225,7 +240,7 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
     )
     return {
         "cdiVersion": "0.5.0",
-        "kind": CDI_KIND,
+        "kind": host.cdi_kind,
         "devices": devices,
         "containerEdits": {
             "deviceNodes": [node(n) for n in host.control_nodes],
@@ -238,12 +253,21 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
     }
 
 
-def _bus_id(minor: int) -> str:
+def _bus_id(position: int) -> str:
     """The DGX H100's bus ids, then made-up ones: 32 per PCI domain from bus e0."""
-    if minor < len(DGX_BUSES):
-        return f"00000000:{DGX_BUSES[minor].upper()}:00.0"
-    extra = minor - len(DGX_BUSES)
+    if position < len(DGX_BUSES):
+        return f"00000000:{DGX_BUSES[position].upper()}:00.0"
+    extra = position - len(DGX_BUSES)
     return f"{extra // 32:08X}:{0xE0 + extra % 32:02X}:00.0"
+
+
+def _minor(position: int, count: int) -> int:
+    """The device minor of the GPU at ``position`` in PCI order: never its index.
+
+    On real hosts the minors follow the order the driver probed the GPUs in, not PCI order
+    (for two or more GPUs; one GPU is minor 0).
+    """
+    return (position + (count + 1) // 2) % count
 
 
 def _mknod(path: Path, major: int, minor: int) -> None:

@@ -1,0 +1,159 @@
+"""``python -m bench.stress`` (``make test-stress``): the self-tests, again and again, under load.
+
+Runs ``make test`` ``--runs`` times, each in a fresh clone of this checkout with ``CI=true``
+(as CI does) unless ``--in-place``, while the machine is loaded by a CPU hog per core and
+by a loop of conformance runs against the container engines, each on a simulated host of
+its own (``--sim-gpus``). It reports how many runs passed, the tests that failed, by name
+and count, and how many of the loop's runs passed, and exits non-zero when any run failed.
+
+The engines must already run (``make engines``); the loop is left out without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+HOG = "while True: pass"
+
+
+@dataclass
+class LoadLoop:
+    """Conformance runs against the engines, one after the other, until stopped."""
+
+    python: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    outcomes: list[int] = field(default_factory=list)
+
+    def run(self) -> None:
+        argv = [
+            self.python, "-m", "pytest", str(ROOT / "conformance"), "--driver=docker,podman",
+            "--sim-gpus=8", "-p", "no:cacheprovider", "-q", "--no-header",
+        ]  # fmt: skip
+        while not self.stop.is_set():
+            done = subprocess.run(argv, cwd=ROOT, capture_output=True, check=False)
+            self.outcomes.append(done.returncode)
+
+
+@contextlib.contextmanager
+def load(hogs: int, engines: bool) -> Iterator[LoadLoop | None]:
+    """CPU hogs, and the conformance loop when ``engines``; all stopped on the way out."""
+    burners = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
+    loop = LoadLoop(sys.executable) if engines else None
+    thread = threading.Thread(target=loop.run, daemon=True) if loop else None
+    if thread:
+        thread.start()
+    try:
+        yield loop
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+        if loop and thread:
+            loop.stop.set()
+            thread.join()
+
+
+def failed_tests(junit: Path) -> list[str]:
+    """Test ids that failed or errored in a JUnit XML report; [] when there is none."""
+    if not junit.is_file():
+        return ["(no JUnit report: the run ended before pytest wrote it)"]
+    names = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            names.append(f"{case.get('classname')}::{case.get('name')}")
+    return names
+
+
+def one_run(number: int, workdir: Path, in_place: bool) -> tuple[int, float, list[str]]:
+    """``make test`` once; returns its exit code, its wall time and the failed tests."""
+    tree = ROOT
+    if not in_place:
+        tree = workdir / f"clone-{number}"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(tree)], check=True)
+    junit = workdir / f"run-{number}.xml"
+    log = workdir / f"run-{number}.log"
+    env = {**os.environ, "CI": "true", "PYTEST_ARGS": f"--junitxml={junit}"}
+    start = time.monotonic()
+    with log.open("wb") as out:
+        code = subprocess.run(
+            ["make", "test"], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, check=False
+        ).returncode
+    elapsed = time.monotonic() - start
+    if not in_place and code == 0:
+        shutil.rmtree(tree, ignore_errors=True)
+    failed = failed_tests(junit) if code else []
+    if code and not failed:
+        failed = [f"(make test exited {code} outside pytest: see {log})"]
+    return code, elapsed, failed
+
+
+def engines_answer() -> bool:
+    try:
+        return all(
+            subprocess.run(argv, capture_output=True, check=False).returncode == 0
+            for argv in (["docker", "info"], ["podman", "--remote", "info"])
+        )
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stress", description=__doc__)
+    parser.add_argument("--runs", type=int, default=10, help="make test runs (default 10)")
+    parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="CPU hogs")
+    parser.add_argument("--no-loop", action="store_true", help="no conformance loop")
+    parser.add_argument("--in-place", action="store_true", help="run in this checkout")
+    parser.add_argument("--workdir", type=Path, help="keep clones, logs and reports here")
+    args = parser.parse_args(argv)
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-sandbox-stress-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    engines = not args.no_loop and engines_answer()
+    print(
+        f"{args.runs} runs of `CI=true make test` "
+        f"({'in place' if args.in_place else 'each in a fresh clone'}), beside {args.hogs} CPU "
+        f"hogs{' and a conformance loop against docker and podman' if engines else ''}; "
+        f"logs in {workdir}",
+        flush=True,
+    )
+    results = []
+    flaky: collections.Counter[str] = collections.Counter()
+    with load(args.hogs, engines) as loop:
+        for number in range(1, args.runs + 1):
+            code, elapsed, failed = one_run(number, workdir, args.in_place)
+            results.append(code)
+            flaky.update(failed)
+            verdict = "passed" if code == 0 else f"FAILED ({len(failed)} tests)"
+            print(f"run {number}: {verdict} in {elapsed:.0f} s", flush=True)
+            for name in failed:
+                print(f"    {name}", flush=True)
+    passed = results.count(0)
+    print(f"make test: {passed}/{len(results)} runs passed")
+    if loop is not None:
+        print(
+            f"conformance loop (docker, podman): {loop.outcomes.count(0)}/{len(loop.outcomes)} "
+            "runs passed"
+        )
+    if flaky:
+        print("tests that failed, with the number of runs they failed in:")
+        for name, count in flaky.most_common():
+            print(f"  {count}  {name}")
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
