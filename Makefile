@@ -55,9 +55,10 @@ define install-missing
 endef
 
 # bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
-# the simulated nvidia-smi under busybox as a container image would.
+# the simulated nvidia-smi under busybox as a container image would; jq runs the lease
+# protocol's sh client (scripts/gpu-lease), which holds GPUs in GPU-HOSTWIDE-01.
 host-packages:
-	$(call install-missing,bwrap:bubblewrap /bin/busybox:busybox-static nsenter:util-linux)
+	$(call install-missing,bwrap:bubblewrap /bin/busybox:busybox-static nsenter+flock:util-linux jq:jq)
 
 # chromium renders the HTML conformance matrix in the self-tests, headless (GitHub's Ubuntu
 # runners have Google Chrome instead).

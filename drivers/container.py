@@ -37,7 +37,7 @@ from drivers.errors import (
     UnknownImage,
 )
 from drivers.gpus import CDI_KIND, GpuDevice
-from drivers.ownership import LIVENESS_CHECKS, Holder, LeaseOwner
+from drivers.ownership import Holder, LeaseOwner
 from drivers.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
 from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
 from drivers.wait import wait_until
@@ -52,6 +52,8 @@ DEVICES_LABEL = LABEL_PREFIX + "cdi-devices"
 KEEPALIVE_PATH = "/run/gpu-sandbox-keepalive"
 API_TIMEOUT_S = 60
 """For every engine call but exec, which runs as long as the command: a minute means stuck."""
+LIVENESS_TIMEOUT_S = 5
+"""Does a container still exist? An engine answers in milliseconds; a request waits on it."""
 EXEC_API_TIMEOUT_S = 24 * 3600
 """Exec's own timeout kills the command, which ends the call; this only bounds a lost engine."""
 STOP_TIMEOUT_S = 10
@@ -156,7 +158,23 @@ class ContainerDriver(Driver):
     @classmethod
     @abstractmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
-        """Whether the engine at ``url`` still knows the container; raise if it cannot tell."""
+        """Whether the engine at ``url`` still knows the container; raise if it cannot tell.
+
+        Within ``LIVENESS_TIMEOUT_S``: the lease registry asks while a request waits.
+        """
+
+    @classmethod
+    def holder_alive(cls, holder: Holder) -> bool:
+        """The liveness check of this engine's lease holders: the container still exists.
+
+        Registered with the lease registry (``gpu_sandbox.liveness`` entry points), so that a
+        process that never used this driver still frees a removed container's GPUs.
+        """
+        url, _, container_id = holder.ref.rpartition(" ")
+        try:
+            return cls.container_exists(url, container_id)
+        except Exception:  # engine unreachable or hung: never take a GPU back on a guess
+            return True
 
     # -- the driver contract ---------------------------------------------------------------
 
@@ -483,16 +501,3 @@ class _Timeout(threading.Timer):
     def _kill(self) -> None:
         self.fired = True
         kill_marked(self._needle)
-
-
-def register_liveness(driver: type[ContainerDriver]) -> None:
-    """Make leases held by ``driver``'s containers live exactly as long as the containers."""
-
-    def alive(holder: Holder) -> bool:
-        url, _, container_id = holder.ref.rpartition(" ")
-        try:
-            return driver.container_exists(url, container_id)
-        except Exception:  # engine unreachable: never take a GPU back on a guess
-            return True
-
-    LIVENESS_CHECKS[driver.name] = alive

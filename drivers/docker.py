@@ -25,6 +25,7 @@ from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
     KEEPALIVE_PATH,
+    LIVENESS_TIMEOUT_S,
     SANDBOX_LABEL,
     SESSION_LABEL,
     STOP_TIMEOUT_S,
@@ -32,8 +33,8 @@ from drivers.container import (
     ContainerRequest,
     EngineError,
     ExecOutput,
-    register_liveness,
 )
+from drivers.ownership import register_liveness
 
 
 class DockerDriver(ContainerDriver):
@@ -143,7 +144,7 @@ class DockerDriver(ContainerDriver):
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
         try:
-            _client(url, os.getpid(), API_TIMEOUT_S).api.inspect_container(container_id)
+            _client(url, os.getpid(), LIVENESS_TIMEOUT_S).api.inspect_container(container_id)
         except docker.errors.NotFound:
             return False
         return True
@@ -159,4 +160,4 @@ def _client(url: str, pid: int, timeout: int) -> docker.DockerClient:
     return docker.DockerClient(base_url=url, timeout=timeout, version="auto")
 
 
-register_liveness(DockerDriver)
+register_liveness(DockerDriver.name, DockerDriver.holder_alive)

@@ -1,10 +1,24 @@
 """Host-wide GPU ownership: one lease registry per host, shared by every local driver.
 
-The registry is a JSON file guarded by an ``flock`` on the file itself, so grants are
-atomic across threads *and* processes: two drivers, two pytest-xdist workers or two users
-never hand out the same GPU. Each lease names its holder with a liveness handle (a process
-id plus its start time, or a container id a driver knows how to check); a lease whose holder
-is gone is reclaimed by the next request, so a crashed sandbox cannot keep a GPU.
+The protocol (docs/lease-protocol.md, docs/lease-file.schema.json) is small enough for a
+client in any language (scripts/gpu-lease is one in POSIX sh with flock(1) and jq):
+
+- the registry is a directory holding ``leases.json``, locked with ``flock(LOCK_EX)`` on the
+  file itself around every read-modify-write; it holds ``{"version": 2, "boot_id": ...,
+  "leases": [...]}``, rewritten in place (several times faster than a new file renamed
+  over it), then truncated: a reader parses the first JSON value and ignores bytes after
+  it, which a writer killed between the write and the truncation leaves behind;
+- each lease names its holder with a liveness handle: ``process`` holders are
+  ``<boot id>:<pid>:<start time>``, judged from /proc; other kinds (a container) are judged
+  by the check their driver registers (``register_liveness``, or an entry point in the
+  ``gpu_sandbox.liveness`` group). A lease whose holder is gone is reclaimed by the next
+  request; a holder that cannot be judged is alive: a GPU is never taken back on a guess;
+- every lease of an earlier boot is dead: a file of another boot's id, and a file written
+  before this boot that cannot be read (a power loss in the middle of a write), hold
+  nothing.
+
+Checks that ask a container engine run outside the lock, bounded by their own timeouts, so
+a hung engine delays only the request that needs its verdict, never the host's other grants.
 
 Selection is deterministic: the lowest free GPUs in PCI order. Every lease is exclusive
 today; ``mode`` is recorded per lease so a later shared mode only has to change
@@ -15,27 +29,31 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import json
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from drivers.errors import GpuBusy, GpusExhausted
+from drivers.errors import GpuAllocationError, GpuBusy, GpusExhausted
 from drivers.gpus import GpuDevice
 
 EXCLUSIVE = "exclusive"
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 adds ``boot_id``; version 1 files (no boot id) are read as this boot's."""
+LEASE_FILE = "leases.json"
+PROCESS = "process"
+LIVENESS_ENTRY_POINTS = "gpu_sandbox.liveness"
 
 
 class LeaseFileCorrupt(RuntimeError):
-    """The lease file holds something that is not a lease list (a write cut short)."""
+    """The lease file of this boot holds something that is not a lease list."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +66,7 @@ class Holder:
     @classmethod
     def process(cls, pid: int) -> Holder:
         """The process ``pid``, pinned by its start time so a reused pid is not mistaken."""
-        return cls("process", f"{_boot_id()}:{pid}:{process_start_time(pid)}")
+        return cls(PROCESS, f"{boot_id()}:{pid}:{process_start_time(pid)}")
 
     def __str__(self) -> str:
         return f"{self.kind} {self.ref}"
@@ -79,15 +97,17 @@ class LeaseOwner:
 
 
 LivenessCheck = Callable[[Holder], bool]
+"""True while the holder lives. It must return within seconds (its own timeout), and return
+True when it cannot tell: the registry never takes a GPU back on a guess."""
 
 
 def _process_alive(holder: Holder) -> bool:
     try:
-        boot_id, pid, start = holder.ref.split(":")
+        holder_boot, pid, start = holder.ref.split(":")
         pid_number = int(pid)
     except ValueError:
         return True  # not ours to judge: never take a GPU back on a guess
-    if boot_id != _boot_id():
+    if holder_boot != boot_id():
         return False
     try:
         fields = _stat_fields(pid_number)
@@ -99,20 +119,39 @@ def _process_alive(holder: Holder) -> bool:
     return fields[19] == start and fields[0] not in ("Z", "X")
 
 
-LIVENESS_CHECKS: dict[str, LivenessCheck] = {"process": _process_alive}
-"""Liveness per holder kind. Drivers whose sandboxes outlive a process (containers) add theirs.
+_CHECKS: dict[str, LivenessCheck] = {PROCESS: _process_alive}
 
-A holder of a kind with no check is treated as alive: the registry never takes a GPU back
-from a holder it cannot prove is gone.
-"""
+
+def register_liveness(kind: str, check: LivenessCheck) -> None:
+    """Judge holders of ``kind`` with ``check`` (a driver whose sandboxes outlive processes).
+
+    A process that never imported the driver finds the check through the driver's entry
+    point in the ``gpu_sandbox.liveness`` group; without either, such holders live forever.
+    """
+    _CHECKS[kind] = check
+
+
+def liveness_check(kind: str) -> LivenessCheck | None:
+    """The check of ``kind``: registered in this process, or else its entry point."""
+    if kind not in _CHECKS:
+        for entry in metadata.entry_points(group=LIVENESS_ENTRY_POINTS, name=kind):
+            with contextlib.suppress(Exception):  # a broken plugin judges nothing
+                _CHECKS[kind] = entry.load()
+                break
+    return _CHECKS.get(kind)
+
+
+def _alive(holder: Holder) -> bool:
+    check = liveness_check(holder.kind)
+    return True if check is None else check(holder)
 
 
 class LeaseRegistry:
-    """The lease file of one host (or of one simulated host) under ``directory``."""
+    """The lease registry of one host (or of one simulated host) in ``directory``."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._path = directory / "leases.json"
+        self._path = directory / LEASE_FILE
         self._thread_lock = threading.Lock()
         self._file_fd = -1
         _REGISTRIES.add(self)
@@ -125,33 +164,31 @@ class LeaseRegistry:
         count: int = 0,
         exact: Sequence[GpuDevice] = (),
     ) -> tuple[GpuDevice, ...]:
-        """Grant ``exact`` devices, or else the ``count`` lowest free ones, atomically."""
-        with self._locked() as leases:
-            held = {lease.gpu_uuid: lease for lease in leases}
-            if exact:
-                for gpu in exact:
-                    if _conflicts(held.get(gpu.uuid), EXCLUSIVE):
-                        raise GpuBusy(gpu.describe(), held[gpu.uuid].describe())
-                granted = tuple(exact)
-            else:
-                free = [gpu for gpu in inventory if not _conflicts(held.get(gpu.uuid), EXCLUSIVE)]
-                if len(free) < count:
-                    raise GpusExhausted(count, len(free), len(inventory))
-                granted = tuple(free[:count])
-            now = time.time()
-            leases.extend(
-                Lease(
-                    gpu.uuid,
-                    owner.driver,
-                    owner.sandbox_id,
-                    owner.session_id,
-                    owner.holder,
-                    EXCLUSIVE,
-                    now,
-                )
-                for gpu in granted
-            )
-            return granted
+        """Grant ``exact`` devices, or else the ``count`` lowest free ones, atomically.
+
+        When a grant fails on leases whose holders only a container engine can judge, they
+        are judged outside the lock and the grant is tried again without the dead ones.
+        """
+        dead: set[Lease] = set()
+        while True:
+            with self._locked(drop=dead) as leases:
+                try:
+                    granted = _grant(leases, inventory, count, exact)
+                except GpuAllocationError as exc:
+                    refusal = exc
+                    suspects = [x for x in leases if x.holder.kind != PROCESS and x not in dead]
+                else:
+                    now = time.time()
+                    leases.extend(
+                        Lease(gpu.uuid, owner.driver, owner.sandbox_id, owner.session_id,
+                              owner.holder, EXCLUSIVE, now)
+                        for gpu in granted
+                    )  # fmt: skip
+                    return granted
+            newly_dead = {lease for lease in suspects if not _alive(lease.holder)}
+            if not newly_dead:
+                raise refusal
+            dead |= newly_dead
 
     def set_holder(self, sandbox_id: str, holder: Holder) -> None:
         """Hand a sandbox's leases to the process or container that now embodies it."""
@@ -183,6 +220,11 @@ class LeaseRegistry:
     def leases(self) -> list[Lease]:
         """The live leases, after reclaiming those whose holders are gone."""
         with self._locked() as leases:
+            snapshot = list(leases)
+        dead = {x for x in snapshot if x.holder.kind != PROCESS and not _alive(x.holder)}
+        if not dead:
+            return snapshot
+        with self._locked(drop=dead) as leases:
             return list(leases)
 
     def free(self, inventory: Sequence[GpuDevice]) -> tuple[GpuDevice, ...]:
@@ -190,22 +232,27 @@ class LeaseRegistry:
         return tuple(gpu for gpu in inventory if gpu.uuid not in held)
 
     @contextmanager
-    def _locked(self, reclaim: bool = True) -> Iterator[list[Lease]]:
+    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[list[Lease]]:
         """Hold the host lock; yield the leases; write them back if they changed.
 
-        With ``reclaim``, leases whose holders are gone are dropped first. Giving leases
-        back or handing them on needs no such judgement, which may cost a call to a
-        container engine per lease: those leave it to the next grant.
+        With ``reclaim``, leases of dead processes are dropped first, and so are ``drop``,
+        leases already judged dead outside the lock. Giving leases back or handing them on
+        needs no such judgement.
         """
-        with self._exclusive() as fd:
-            stored = self._load(fd)
-            leases = [lease for lease in stored if not reclaim or _alive(lease.holder)]
+        with self._exclusive():
+            stored = self._load()
+            leases = [
+                lease
+                for lease in stored
+                if not reclaim
+                or (lease not in drop and (lease.holder.kind != PROCESS or _alive(lease.holder)))
+            ]
             yield leases
             if leases != stored:
-                self._store(fd, leases)
+                self._store(leases)
 
     @contextmanager
-    def _exclusive(self) -> Iterator[int]:
+    def _exclusive(self) -> Iterator[None]:
         """Exclude every other holder of the lease file: threads here, and other processes.
 
         ``flock`` excludes other open file descriptions (other processes, other registry
@@ -215,7 +262,7 @@ class LeaseRegistry:
             fd = self._fd()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                yield fd
+                yield
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -236,28 +283,44 @@ class LeaseRegistry:
         self._file_fd = -1
         self._thread_lock = threading.Lock()
 
-    @staticmethod
-    def _load(fd: int) -> list[Lease]:
-        size = os.fstat(fd).st_size
-        if size == 0:
+    def _load(self) -> list[Lease]:
+        fd = self._fd()
+        st = os.fstat(fd)
+        if st.st_size == 0:
             return []
         # raw_decode: a writer killed between pwrite and ftruncate leaves stale bytes behind.
-        text = os.pread(fd, size, 0).decode(errors="replace")
+        text = os.pread(fd, st.st_size, 0).decode(errors="replace")
         try:
-            raw, _ = json.JSONDecoder().raw_decode(text)
-            return [_lease_from_dict(item) for item in raw["leases"]]
+            document, _ = json.JSONDecoder().raw_decode(text)
+            version = document["version"]
+            if version > FORMAT_VERSION:
+                raise LeaseFileCorrupt(
+                    f"{self._path} is version {version}, written by a newer client; this one "
+                    f"reads versions 1 to {FORMAT_VERSION}: upgrade it"
+                )
+            if document.get("boot_id", boot_id()) != boot_id():
+                return []  # every lease of an earlier boot is dead
+            return [lease_from_dict(item) for item in document["leases"]]
         except (ValueError, KeyError, TypeError) as exc:
+            if st.st_mtime < boot_time():
+                return []  # cut short before this boot (a power loss): nothing of it lives
             raise LeaseFileCorrupt(
-                f"the GPU lease file (fd {fd}) cannot be read ({exc}); no GPU can be granted "
-                "safely until it is fixed: stop every sandbox on this host, then delete it"
+                f"the GPU lease file {self._path} cannot be read ({exc}); no GPU can be "
+                "granted safely until it is fixed: stop every sandbox on this host, then "
+                "delete it"
             ) from exc
 
-    @staticmethod
-    def _store(fd: int, leases: list[Lease]) -> None:
-        # Rewritten in place, which is several times faster than write-and-rename; the lock
-        # keeps readers out until the write and the truncation are both done.
-        payload = {"version": _FORMAT_VERSION, "leases": [_lease_to_dict(x) for x in leases]}
+    def _store(self, leases: list[Lease]) -> None:
+        # Rewritten in place; the lock keeps readers out until the write and the truncation
+        # are both done. No fsync: a power loss loses the last writes, and every lease of an
+        # earlier boot is dead anyway.
+        payload = {
+            "version": FORMAT_VERSION,
+            "boot_id": boot_id(),
+            "leases": [lease_to_dict(lease) for lease in leases],
+        }
         data = json.dumps(payload).encode()
+        fd = self._fd()
         written = 0
         while written < len(data):
             written += os.pwrite(fd, data[written:], written)
@@ -275,35 +338,31 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _grant(
+    leases: Sequence[Lease],
+    inventory: Sequence[GpuDevice],
+    count: int,
+    exact: Sequence[GpuDevice],
+) -> tuple[GpuDevice, ...]:
+    """What a request gets given ``leases``, or the error that refuses it."""
+    held = {lease.gpu_uuid: lease for lease in leases}
+    if exact:
+        for gpu in exact:
+            if _conflicts(held.get(gpu.uuid), EXCLUSIVE):
+                raise GpuBusy(gpu.describe(), held[gpu.uuid].describe())
+        return tuple(exact)
+    free = [gpu for gpu in inventory if not _conflicts(held.get(gpu.uuid), EXCLUSIVE)]
+    if len(free) < count:
+        raise GpusExhausted(count, len(free), len(inventory))
+    return tuple(free[:count])
+
+
 def _conflicts(existing: Lease | None, mode: str) -> bool:
     # Exclusive is the only mode today: any existing lease conflicts.
     return existing is not None
 
 
-def _alive(holder: Holder) -> bool:
-    check = LIVENESS_CHECKS.get(holder.kind) or _built_in_check(holder.kind)
-    return True if check is None else check(holder)
-
-
-def _built_in_check(kind: str) -> LivenessCheck | None:
-    """The check a built-in driver registers for its holders, importing it on first need.
-
-    A process that never used the docker driver must still see a removed container's GPUs
-    as free.
-    """
-    from drivers import REGISTRY
-
-    target = REGISTRY.get(kind)
-    if target is None:
-        return None
-    try:
-        importlib.import_module(target.partition(":")[0])
-    except Exception:  # its client library is missing or broken: the holder cannot be judged
-        return None
-    return LIVENESS_CHECKS.get(kind)
-
-
-def _lease_to_dict(lease: Lease) -> dict[str, Any]:
+def lease_to_dict(lease: Lease) -> dict[str, Any]:
     # Hand-written rather than dataclasses.asdict, which deep-copies and is the hot spot.
     return {
         "gpu_uuid": lease.gpu_uuid,
@@ -316,18 +375,36 @@ def _lease_to_dict(lease: Lease) -> dict[str, Any]:
     }
 
 
-def _lease_from_dict(item: Mapping[str, Any]) -> Lease:
+def lease_from_dict(item: Mapping[str, Any]) -> Lease:
     return Lease(**{**item, "holder": Holder(**item["holder"])})
 
 
 _BOOT_ID: str | None = None
+_BOOT_TIME: float | None = None
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """The id of the running boot (``/proc/sys/kernel/random/boot_id``).
+
+    Leases of other boots are dead.
+    """
     global _BOOT_ID
     if _BOOT_ID is None:
         _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     return _BOOT_ID
+
+
+def boot_time() -> float:
+    """When this machine booted, in seconds since the epoch (``btime`` of /proc/stat)."""
+    global _BOOT_TIME
+    if _BOOT_TIME is None:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                _BOOT_TIME = float(line.split()[1])
+                break
+        else:
+            _BOOT_TIME = 0.0
+    return _BOOT_TIME
 
 
 def _stat_fields(pid: int) -> list[str]:

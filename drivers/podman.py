@@ -24,6 +24,7 @@ from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
     KEEPALIVE_PATH,
+    LIVENESS_TIMEOUT_S,
     SANDBOX_LABEL,
     SESSION_LABEL,
     STOP_TIMEOUT_S,
@@ -31,8 +32,8 @@ from drivers.container import (
     ContainerRequest,
     EngineError,
     ExecOutput,
-    register_liveness,
 )
+from drivers.ownership import register_liveness
 from drivers.wait import wait_until
 
 
@@ -140,7 +141,7 @@ class PodmanDriver(ContainerDriver):
 
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
-        return bool(_client(url, os.getpid(), API_TIMEOUT_S).containers.exists(container_id))
+        return bool(_client(url, os.getpid(), LIVENESS_TIMEOUT_S).containers.exists(container_id))
 
 
 @functools.cache
@@ -149,4 +150,4 @@ def _client(url: str, pid: int, timeout: int) -> podman.PodmanClient:
     return podman.PodmanClient(base_url=url, timeout=timeout)
 
 
-register_liveness(PodmanDriver)
+register_liveness(PodmanDriver.name, PodmanDriver.holder_alive)

@@ -205,12 +205,11 @@ class _UnlockedRegistry(LeaseRegistry):
     """Read-modify-write with no lock at all, and a pause that widens the race."""
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[int]:
-        yield self._fd()
+    def _exclusive(self) -> Iterator[None]:
+        yield
 
-    @staticmethod
-    def _load(fd: int) -> list[Lease]:
-        leases = LeaseRegistry._load(fd)
+    def _load(self) -> list[Lease]:
+        leases = super()._load()
         time.sleep(0.005)
         return leases
 
@@ -221,9 +220,9 @@ class _ThreadLockedRegistry(_UnlockedRegistry):
     _lock = threading.Lock()
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[int]:
+    def _exclusive(self) -> Iterator[None]:
         with self._lock:
-            yield self._fd()
+            yield
 
 
 class NoLocking(BrokenDriver):

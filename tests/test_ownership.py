@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -15,15 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from drivers import ownership
 from drivers.errors import GpuBusy, GpusExhausted
 from drivers.gpus import GpuDevice
 from drivers.ownership import (
     EXCLUSIVE,
-    LIVENESS_CHECKS,
     Holder,
     Lease,
+    LeaseFileCorrupt,
     LeaseOwner,
     LeaseRegistry,
+    boot_id,
+    boot_time,
+    liveness_check,
 )
 
 ME = Holder.process(os.getpid())
@@ -218,7 +224,7 @@ def test_directory_is_created_on_first_use(tmp_path: Path) -> None:
     assert registry.leases() == []
     registry.acquire(INVENTORY, owner("x"), count=1)
     stored = json.loads((tmp_path / "a" / "b" / "leases.json").read_text())
-    assert stored["version"] == 1
+    assert (stored["version"], stored["boot_id"]) == (2, boot_id())
     assert [item["gpu_uuid"] for item in stored["leases"]] == [INVENTORY[0].uuid]
 
 
@@ -280,7 +286,7 @@ def test_live_holder_is_not_reclaimed(
 
 def test_unknown_holder_kind_is_treated_as_alive(registry: LeaseRegistry) -> None:
     container = Holder("container", "no-such-container-anywhere")
-    assert "container" not in LIVENESS_CHECKS
+    assert liveness_check("container") is None
     registry.acquire(INVENTORY, owner("c", holder=container), count=4)
     with pytest.raises(GpusExhausted) as raised:
         registry.acquire(INVENTORY, owner("b"), count=1)
@@ -292,7 +298,7 @@ def test_a_registered_liveness_check_is_used(
     registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gone = {"c-2"}
-    monkeypatch.setitem(LIVENESS_CHECKS, "container", lambda holder: holder.ref not in gone)
+    monkeypatch.setitem(ownership._CHECKS, "container", lambda holder: holder.ref not in gone)
     registry.acquire(INVENTORY, owner("a", holder=Holder("container", "c-1")), count=1)
     registry.acquire(INVENTORY, owner("b", holder=Holder("container", "c-2")), count=1)
     assert held(registry) == {INVENTORY[0].uuid: "a"}
@@ -302,6 +308,54 @@ def test_a_registered_liveness_check_is_used(
 # -- the file -----------------------------------------------------------------------------
 
 
+def _write(registry: LeaseRegistry, content: bytes, mtime: float | None = None) -> Path:
+    registry.directory.mkdir(parents=True, exist_ok=True)
+    path = registry.directory / "leases.json"
+    path.write_bytes(content)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_a_file_cut_short_in_this_boot_stops_grants_with_the_reason(
+    registry: LeaseRegistry,
+) -> None:
+    _write(registry, b'{"version": 2, "boot_id": "x", "leases": [{"gpu_')
+    with pytest.raises(LeaseFileCorrupt, match="cannot be read"):
+        registry.acquire(INVENTORY, owner("a"), count=1)
+
+
+def test_a_file_cut_short_before_this_boot_holds_nothing(registry: LeaseRegistry) -> None:
+    """A power loss mid-write must not block every grant after the reboot."""
+    _write(registry, b'{"version": 2, "boot_id": "x", "leases": [{"gpu_', boot_time() - 60)
+    assert registry.leases() == []
+    assert registry.acquire(INVENTORY, owner("a"), count=4) == INVENTORY
+
+
+def test_leases_of_an_earlier_boot_are_dead(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("a", holder=Holder("container", "c-1")), count=2)
+    path = registry.directory / "leases.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "boot_id": "00000000-earlier-boot"}))
+    assert registry.leases() == []
+
+
+def test_a_version_1_file_is_read(registry: LeaseRegistry) -> None:
+    lease = Lease(INVENTORY[1].uuid, "test", "old", "s", ME, EXCLUSIVE, 1.0)
+    _write(
+        registry, json.dumps({"version": 1, "leases": [ownership.lease_to_dict(lease)]}).encode()
+    )
+    assert registry.leases() == [lease]
+    registry.acquire(INVENTORY, owner("new"), count=1)
+    assert json.loads((registry.directory / "leases.json").read_text())["version"] == 2
+
+
+def test_a_newer_version_is_refused_by_name(registry: LeaseRegistry) -> None:
+    _write(registry, json.dumps({"version": 3, "boot_id": boot_id(), "leases": []}).encode())
+    with pytest.raises(LeaseFileCorrupt, match="version 3, written by a newer client"):
+        registry.leases()
+
+
 def test_stale_bytes_after_valid_json_are_ignored(registry: LeaseRegistry) -> None:
     """A writer killed between pwrite and ftruncate leaves valid JSON, then stale bytes."""
     registry.acquire(INVENTORY, owner("a"), count=1)
@@ -309,7 +363,7 @@ def test_stale_bytes_after_valid_json_are_ignored(registry: LeaseRegistry) -> No
     path = registry.directory / "leases.json"
     long = path.read_bytes()
     stored = json.loads(long)
-    short = json.dumps({"version": 1, "leases": stored["leases"][:1]}).encode()
+    short = json.dumps({**stored, "leases": stored["leases"][:1]}).encode()
     assert len(short) < len(long)
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -338,7 +392,84 @@ def test_reclaim_is_written_back(registry: LeaseRegistry, sleeper: subprocess.Po
     sleeper.wait()
     assert registry.leases() == []
     path = registry.directory / "leases.json"
-    assert json.loads(path.read_bytes()) == {"version": 1, "leases": []}
+    assert json.loads(path.read_bytes()) == {"version": 2, "boot_id": boot_id(), "leases": []}
+
+
+# -- checks that ask an engine run outside the lock ----------------------------------------
+
+
+def _lock_is_free(registry: LeaseRegistry) -> bool:
+    fd = os.open(registry.directory / "leases.json", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_an_engine_check_runs_outside_the_host_lock(
+    registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+
+    def gone(holder: Holder) -> bool:
+        seen.append(_lock_is_free(registry))
+        return False
+
+    monkeypatch.setitem(ownership._CHECKS, "container", gone)
+    registry.acquire(INVENTORY, owner("c", holder=Holder("container", "c-1")), count=4)
+    assert registry.acquire(INVENTORY, owner("b"), count=1) == INVENTORY[:1]
+    assert seen
+    assert all(seen), "the liveness check ran while the host lock was held"
+
+
+def test_a_hung_engine_check_delays_no_other_grant(
+    registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that waits on a hung engine's verdict holds no lock: others go on."""
+    release = threading.Event()
+
+    def hung(holder: Holder) -> bool:
+        release.wait(10)
+        return True
+
+    monkeypatch.setitem(ownership._CHECKS, "container", hung)
+    registry.acquire(INVENTORY, owner("c", holder=Holder("container", "c-1")), count=3)
+    refused: list[BaseException] = []
+
+    def wait_for_two() -> None:
+        try:
+            registry.acquire(INVENTORY, owner("w"), count=2)
+        except GpusExhausted as exc:
+            refused.append(exc)
+
+    waiting = threading.Thread(target=wait_for_two)
+    waiting.start()
+    try:
+        time.sleep(0.2)  # the waiting request is now in the hung check
+        start = time.monotonic()
+        assert registry.acquire(INVENTORY, owner("d"), count=1) == INVENTORY[3:]
+        assert registry.release("d") == 1
+        assert time.monotonic() - start < 1
+    finally:
+        release.set()
+        waiting.join()
+    assert len(refused) == 1, "the judged holder is alive: the request for two is refused"
+
+
+def test_a_fresh_process_finds_a_drivers_check_by_its_entry_point() -> None:
+    """No import of the docker driver: the registry finds its check by entry point."""
+    code = (
+        "import sys\n"
+        "from drivers.ownership import liveness_check\n"
+        "assert 'drivers.docker' not in sys.modules\n"
+        "print(liveness_check('docker').__qualname__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ContainerDriver.holder_alive"
 
 
 # -- concurrency --------------------------------------------------------------------------
