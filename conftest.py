@@ -8,6 +8,7 @@ a release gate must never go green by skipping.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import functools
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +42,9 @@ class Settings:
     session_id: str
     image: str | None
     reclaim_timeout_s: float
+    exhaustion_grace_s: float | None
+    """How much longer than a create an exhausted request may take to fail; None: the
+    driver's own ``exhaustion_grace_s``."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Driver → why it cannot run here, once its probe said so (in this process)."""
 
@@ -101,6 +106,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SECONDS",
         help="How long a killed sandbox's GPUs may take to come back (default: 30; container "
         "engines can take seconds to report a killed container as gone).",
+    )
+    group.addoption(
+        "--exhaustion-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="How much longer than the driver's own create may a request for more GPUs than "
+        "are free take to fail (default: the driver's exhaustion_grace_s, 1 s for local "
+        "drivers).",
     )
     group.addoption(
         "--reap",
@@ -197,6 +211,7 @@ def _settings(config: pytest.Config) -> Settings:
         session_id=getattr(config, "workerinput", {}).get(_SESSION_KEY) or uuid.uuid4().hex[:16],
         image=config.getoption("--image"),
         reclaim_timeout_s=config.getoption("--reclaim-timeout"),
+        exhaustion_grace_s=config.getoption("--exhaustion-grace"),
     )
 
 
@@ -362,8 +377,10 @@ class SandboxFactory:
         return sandbox
 
     def close_all(self) -> None:
-        for sandbox in reversed(self.open):
-            sandbox.close()
+        """Close every sandbox the test left open, all at once (engines take a while each)."""
+        with ThreadPoolExecutor(max(1, len(self.open))) as pool:
+            for closing in [pool.submit(sandbox.close) for sandbox in self.open]:
+                closing.result()
         self.open.clear()
 
 
@@ -473,6 +490,29 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             summary.write(to_markdown(results))
 
 
+def _skips_by_reason(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skipped tests grouped by reason with a count, instead of a line per test.
+
+    Requirements that do not apply to a driver are left to the matrix, which shows them.
+    """
+    reasons: collections.Counter[str] = collections.Counter()
+    not_applicable = 0
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+        reason = reason.removeprefix("Skipped: ")
+        if " does not apply to " in reason or reason.startswith("not applicable"):
+            not_applicable += 1
+        else:
+            reasons[reason] += 1
+    if not reasons and not not_applicable:
+        return
+    terminalreporter.section("skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:4d}  {reason}")
+    if not_applicable:
+        terminalreporter.write_line(f"{not_applicable:4d}  not applicable (n/a in the matrix)")
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
     """The matrix and the verdicts, last: after pytest's failures and short summary."""
@@ -481,6 +521,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterat
     if results is None:
         return
     write_line = terminalreporter.write_line
+    _skips_by_reason(terminalreporter)
     terminalreporter.section("conformance by requirement")
     write_line(f"GPU host: {results.header['host']}")
     if results.header["simulated"]:

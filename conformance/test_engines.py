@@ -6,6 +6,7 @@ These tests speak to the engine beside the driver, through its CLI, as a user wo
 from __future__ import annotations
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,6 +15,7 @@ from drivers import cdi
 from drivers.base import Driver
 from drivers.container import ContainerDriver, ContainerSandbox
 from drivers.errors import GpusExhausted
+from drivers.gpus import GpuDevice
 from drivers.spec import SandboxSpec
 from drivers.testing import uuids, visible_gpu_uuids
 from drivers.wait import wait_until
@@ -41,17 +43,26 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
 def test_sandbox_sees_what_the_engine_injects(driver: Driver, sandboxes: SandboxFactory) -> None:
     """For every GPU, nvidia-smi -L in a sandbox holding it MUST match the engine's own run."""
     engine = _container_driver(driver)
+    devices = {gpu.uuid: engine.device_ids(gpu)[0] for gpu in engine.inventory()}
+
+    def inside(gpu: GpuDevice) -> str:
+        spec = SandboxSpec.with_gpus(driver=engine.name, device_ids=[devices[gpu.uuid]])
+        with sandboxes(spec) as sandbox:
+            return sandbox.exec(["nvidia-smi", "-L"]).check().stdout
+
+    # The sandboxes side by side; the engine's own runs one at a time (concurrent
+    # `podman run --rm` of podman 4.3 sometimes loses a container's output).
+    with ThreadPoolExecutor(len(devices)) as pool:
+        listed = dict(zip(devices, pool.map(inside, engine.inventory()), strict=True))
     for gpu in engine.inventory():
-        device = engine.device_ids(gpu)[0]
-        with sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[device])) as sandbox:
-            inside = sandbox.exec(["nvidia-smi", "-L"]).check().stdout
-            plain = _cli(engine.oracle_argv(device, None, ["nvidia-smi", "-L"]))
+        device = devices[gpu.uuid]
+        plain = _cli(engine.oracle_argv(device, None, ["nvidia-smi", "-L"]))
         assert plain.returncode == 0, f"the engine's own run failed: {plain.stderr.strip()}"
-        assert inside == plain.stdout, (
-            f"{device}: the sandbox lists {inside!r}; `{engine.cli} run --device {device}` "
-            f"lists {plain.stdout!r}"
+        assert listed[gpu.uuid] == plain.stdout, (
+            f"{device}: the sandbox lists {listed[gpu.uuid]!r}; `{engine.cli} run --device "
+            f"{device}` lists {plain.stdout!r}"
         )
-        assert gpu.uuid in inside, f"{device} should be {gpu.describe()}; nvidia-smi: {inside!r}"
+        assert gpu.uuid in plain.stdout, f"{device} should be {gpu.describe()}: {plain.stdout!r}"
 
 
 @pytest.mark.requirement("GPU-ALL-01")

@@ -9,10 +9,13 @@ import pytest
 from conftest import SandboxFactory, Settings
 from drivers.base import Driver
 from drivers.errors import ExecTimeout, GpusExhausted
-from drivers.hold import HeldSandbox
+from drivers.hold import HeldSandbox, reap_from_a_fresh_process
 from drivers.spec import SandboxSpec
 from drivers.testing import assert_all_gpus_grantable, specs_for_all_gpus, uuids
 from drivers.wait import wait_until
+
+LONG = 1 << 20
+"""A mebibyte on each stream: more than any pipe or stream buffer holds at once."""
 
 
 @pytest.mark.requirement("GPU-RELEASE-01")
@@ -96,12 +99,42 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
         sandbox.close()  # harmless after reap
 
 
+@pytest.mark.requirement("SANDBOX-REAP-01")
+@pytest.mark.parametrize("creator", ["stopped", "killed"])
+def test_reap_from_a_fresh_process_after_the_creator_crashed(
+    driver: Driver, settings: Settings, creator: str
+) -> None:
+    """Reap MUST find a session's sandboxes from a process that created none of them."""
+    session = f"reap-fresh-{time.time_ns()}"
+    theirs = type(driver)(driver.host, session, driver.image)
+    with HeldSandbox.start(theirs, settings.host_config, _biggest_request(driver)) as held:
+        reply = held.go()
+        assert reply["ok"], f"the creating process could not make its sandbox: {reply}"
+        if creator == "stopped":
+            held.stop()
+        else:
+            held.kill()
+        try:
+            reap_from_a_fresh_process(driver, settings.host_config, session)
+            left = driver.sandboxes(session)
+            assert left == [], f"reaped from a fresh process, session {session} still has {left}"
+            assert_all_gpus_grantable(driver, after=f"reaping session {session} afresh")
+        finally:
+            held.kill()
+
+
 @pytest.mark.requirement("SANDBOX-EXEC-01")
 def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
-    """Exec MUST return the command's exit code, stdout and stderr."""
+    """Exec MUST return the command's exit code, stdout and stderr, whole."""
     sandbox = sandboxes(SandboxSpec())
     result = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    # Long output, on both streams at once, comes back whole and apart.
+    script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
+    long = sandbox.exec(["sh", "-c", script])
+    assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), "the output was cut short"
+    assert set(long.stdout) == {"o"}
+    assert set(long.stderr) == {"e"}
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")

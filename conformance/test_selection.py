@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from conformance import requirements
 from conftest import SandboxFactory, Settings
 from drivers.base import Driver
 from drivers.errors import GpuBusy, UnsupportedGpuRequest
+from drivers.gpus import GpuDevice
 from drivers.hold import HeldSandbox
-from drivers.spec import SandboxSpec
+from drivers.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
 from drivers.testing import uuids, visible_gpu_uuids
 
 
@@ -53,6 +57,10 @@ def test_default_request_avoids_gpus_held_by_another_process(
         )
 
 
+OTHER_DRIVERS = requirements.load().drivers
+"""Every driver with a profile, present or planned: their blocks are not this driver's."""
+
+
 def _exact(driver: Driver, device_ids: list[str], count: int | None = None) -> SandboxSpec:
     return SandboxSpec.with_gpus(count, driver=driver.name, device_ids=device_ids)
 
@@ -65,31 +73,78 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
         with pytest.raises(UnsupportedGpuRequest):
             sandboxes(_exact(driver, [driver.device_ids(inventory[0])[0]]))
         return
-    for gpu in inventory:
-        for device_id in driver.device_ids(gpu):
-            with sandboxes(_exact(driver, [device_id])) as sandbox:
-                assert uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r} ({gpu.uuid})"
-                assert visible_gpu_uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r}"
+
+    def one(gpu: GpuDevice, device_id: str) -> None:
+        with sandboxes(_exact(driver, [device_id])) as sandbox:
+            assert uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r} ({gpu.uuid})"
+            assert visible_gpu_uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r}"
+
+    # Form by form, every GPU at once: sandboxes of exact IDs held side by side.
+    forms = max(len(driver.device_ids(gpu)) for gpu in inventory)
+    with ThreadPoolExecutor(len(inventory)) as pool:
+        for form in range(forms):
+            named = [
+                (gpu, names[form])
+                for gpu in inventory
+                if form < len(names := driver.device_ids(gpu))
+            ]
+            list(pool.map(lambda pair: one(*pair), named))
     if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
         last, first = inventory[-1], inventory[0]
-        ids = [driver.device_ids(last)[0], driver.device_ids(first)[-1]]
-        with sandboxes(_exact(driver, ids, count=2)) as sandbox:
-            assert sorted(uuids(sandbox)) == sorted([first.uuid, last.uuid])
-            assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, last.uuid])
+        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one.
+        forms = min(len(driver.device_ids(last)), len(driver.device_ids(first)))
+        for i in range(forms):
+            ids = [driver.device_ids(last)[i], driver.device_ids(first)[(i + 1) % forms]]
+            with sandboxes(_exact(driver, ids, count=2)) as sandbox:
+                assert sorted(uuids(sandbox)) == sorted([first.uuid, last.uuid]), f"asked {ids}"
+                assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, last.uuid])
+
+
+@pytest.mark.requirement("GPU-EXACT-01")
+def test_only_the_drivers_own_block_is_read(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """Other drivers' blocks beside its own MUST change nothing, wherever they stand."""
+    if not driver.capabilities.exact_ids or len(driver.inventory()) < 2:
+        pytest.skip(f"needs exact IDs and 2 GPUs ({driver.name}, {len(driver.inventory())})")
+    mine, theirs = driver.inventory()[-1], driver.inventory()[0]
+    others = {name: {DEVICE_IDS_KEY: [driver.device_ids(theirs)[0]]} for name in OTHER_DRIVERS}
+    others.pop(driver.name, None)
+    config = {**others, driver.name: {DEVICE_IDS_KEY: [driver.device_ids(mine)[0]]}, **others}
+    spec = parse_spec({"resource_requirements": {"gpu": {}}, "driver_config": config})
+    with sandboxes(spec) as sandbox:
+        assert uuids(sandbox) == [mine.uuid], f"its own block names {mine.uuid}: {config}"
+        assert visible_gpu_uuids(sandbox) == [mine.uuid]
 
 
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-BUSY-01")
 def test_exact_id_held_by_another_sandbox_is_busy(
-    driver: Driver, sandboxes: SandboxFactory
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
 ) -> None:
     """A request naming a device another sandbox holds MUST fail with GpuBusy, not share it."""
-    target = driver.inventory()[-1]
-    device_id = driver.device_ids(target)[0]
-    holder = sandboxes(_exact(driver, [device_id]))
+    if not driver.capabilities.exact_ids:
+        pytest.skip(f"{driver.name} takes no exact IDs")
+    inventory = driver.inventory()
+    target = inventory[-1]
+    holder = sandboxes(_exact(driver, [driver.device_ids(target)[0]]))
     before = driver.sandboxes(driver.session_id)
-    with pytest.raises(GpuBusy) as busy:
-        sandboxes(_exact(driver, [device_id]))
-    assert target.uuid in str(busy.value) or device_id in str(busy.value), str(busy.value)
+    for device_id in driver.device_ids(target):  # every form names the busy GPU
+        with pytest.raises(GpuBusy) as busy:
+            sandboxes(_exact(driver, [device_id]))
+        assert target.uuid in str(busy.value) or device_id in str(busy.value), str(busy.value)
+    if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
+        # Beside a free device: refused whole, and the free one is still free.
+        free = driver.device_ids(inventory[0])[0]
+        with pytest.raises(GpuBusy):
+            sandboxes(_exact(driver, [free, driver.device_ids(target)[0]], count=2))
+        assert driver.sandboxes(driver.session_id) == before
+        with sandboxes(_exact(driver, [free])) as alone:
+            assert uuids(alone) == [inventory[0].uuid], "the refused request took a GPU"
     assert driver.sandboxes(driver.session_id) == before
     assert visible_gpu_uuids(holder) == [target.uuid]
+    holder.close()
+    # Held by another process's sandbox: busy all the same.
+    spec = _exact(driver, [driver.device_ids(target)[0]])
+    with HeldSandbox.start(driver, settings.host_config, spec) as other:
+        assert other.go()["ok"], "another process could not take the GPU"
+        with pytest.raises(GpuBusy):
+            sandboxes(spec)

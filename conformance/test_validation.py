@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from conformance import requirements
 from conftest import SandboxFactory
 from drivers.base import Driver
 from drivers.errors import (
@@ -57,8 +59,26 @@ def _id(driver: Driver, index: int = 0, form: int = 0) -> str:
     return driver.device_ids(driver.inventory()[index])[form]
 
 
-def _other_driver(driver: Driver) -> str:
-    return "vm" if driver.name != "vm" else "docker"
+OTHER_DRIVERS = requirements.load().drivers
+"""Every driver with a profile, present or planned: a block for any of them is not ours."""
+
+
+def _other(driver: Driver, name: str) -> str:
+    """``name``, or another driver's name when ``name`` is the driver under test's own."""
+    return name if name != driver.name else "not-this-driver"
+
+
+def _only_for(name: str) -> BadRequest:
+    """Exact IDs, valid for the driver under test, but only in another driver's block."""
+
+    def build(driver: Driver) -> dict[str, Any]:
+        ids = driver.device_ids(driver.inventory()[0])[:1] if driver.inventory() else ()
+        block = {"gpu_device_ids": list(ids) or ["0"]}
+        return {"resource_requirements": _gpu(), "driver_config": {_other(driver, name): block}}
+
+    return BadRequest(
+        build, InvalidDriverConfig, lambda driver: _other(driver, name), field="driver_config"
+    )
 
 
 CONFIG_ERRORS = {
@@ -107,15 +127,7 @@ CONFIG_ERRORS = {
         lambda d: "got 7",
         field="driver_config.{driver}.gpu_device_ids",
     ),
-    "block-for-another-driver-only": BadRequest(
-        lambda d: {
-            "resource_requirements": _gpu(),
-            "driver_config": {_other_driver(d): {"gpu_device_ids": ["0"]}},
-        },
-        InvalidDriverConfig,
-        _other_driver,
-        field="driver_config",
-    ),
+    **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
 }
 
 COUNT = "resource_requirements.gpu.count"
@@ -208,13 +220,27 @@ ID_ERRORS = {
 }
 
 
+def _applies(driver: Driver, case: BadRequest) -> bool:
+    return not (
+        case.needs_two_per_sandbox
+        and driver.capabilities.exact_ids
+        and driver.capabilities.max_gpus_per_sandbox < 2
+    )
+
+
 def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest) -> None:
+    """The request fails as it must, leaving no sandbox and no lease in the host registry.
+
+    That every GPU is still grantable through the driver (a lease kept anywhere, even in
+    state of its own, would show) is checked once for all the cases of a requirement.
+    """
     __tracebackhide__ = True
     before = driver.sandboxes(driver.session_id)
+    leases_before = driver.host.leases.leases()
     expected = case.error
     if case.needs_exact_ids and not driver.capabilities.exact_ids:
         expected = UnsupportedGpuRequest
-    elif case.needs_two_per_sandbox and driver.capabilities.max_gpus_per_sandbox < 2:
+    elif not _applies(driver, case):
         pytest.skip(f"needs a driver that takes 2 GPUs per sandbox ({driver.name} takes 1)")
     request = case.build(driver)
     with pytest.raises(expected) as raised:
@@ -226,7 +252,41 @@ def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest)
         field = case.field.format(driver=driver.name)
         assert raised.value.field == field, f"the error names {raised.value.field!r}, not {field!r}"
     assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
-    assert_all_gpus_grantable(driver, after=f"the rejected request {request}")
+    assert driver.host.leases.leases() == leases_before, f"the rejected {request} left a lease"
+
+
+def _all_rejected_then_every_gpu_free(
+    driver: Driver, sandboxes: SandboxFactory, requirement: str, cases: dict[str, BadRequest]
+) -> None:
+    __tracebackhide__ = True
+    for name, case in cases.items():
+        if _applies(driver, case):
+            with contextlib.suppress(DriverError):
+                sandboxes(parse_spec(case.build(driver)))
+            assert not sandboxes.open, f"the bad request {name!r} made a sandbox"
+    assert_all_gpus_grantable(driver, after=f"the bad requests of {requirement}")
+
+
+@pytest.mark.requirement("GPU-VALIDATE-01")
+def test_bad_driver_configs_leave_every_gpu_grantable(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """Malformed driver_configs, one after the other, MUST leave every GPU grantable."""
+    _all_rejected_then_every_gpu_free(driver, sandboxes, "GPU-VALIDATE-01", CONFIG_ERRORS)
+
+
+@pytest.mark.requirement("GPU-VALIDATE-02")
+def test_bad_counts_leave_every_gpu_grantable(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """Bad GPU counts, one after the other, MUST leave every GPU grantable."""
+    _all_rejected_then_every_gpu_free(driver, sandboxes, "GPU-VALIDATE-02", COUNT_ERRORS)
+
+
+@pytest.mark.requirement("GPU-VALIDATE-03")
+def test_bad_device_ids_leave_every_gpu_grantable(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """Inconsistent or unknown device IDs, one after the other, MUST leave every GPU grantable."""
+    _all_rejected_then_every_gpu_free(driver, sandboxes, "GPU-VALIDATE-03", ID_ERRORS)
 
 
 @pytest.mark.requirement("GPU-VALIDATE-01")

@@ -7,15 +7,16 @@ import pytest
 from conftest import SandboxFactory
 from drivers.base import Driver
 from drivers.spec import SandboxSpec
-from drivers.testing import nvidia_gpu_nodes, uuids, visible_gpu_uuids
+from drivers.testing import foreign_gpu_nodes, nvidia_gpu_nodes, uuids, visible_gpu_uuids
 
 
 @pytest.mark.requirement("GPU-NONE-01")
-def test_no_gpu_request_sees_no_gpu(sandboxes: SandboxFactory) -> None:
+def test_no_gpu_request_sees_no_gpu(driver: Driver, sandboxes: SandboxFactory) -> None:
     """A sandbox created without a GPU request MUST contain no GPU node and see no GPU."""
+    sandboxes(SandboxSpec.with_gpus())  # another sandbox holds a GPU meanwhile
     sandbox = sandboxes(SandboxSpec())
     assert sandbox.gpus == ()
-    assert nvidia_gpu_nodes(sandbox) == []
+    assert foreign_gpu_nodes(sandbox, driver) == []
     assert visible_gpu_uuids(sandbox) == []
 
 
@@ -24,10 +25,13 @@ def test_default_request_sees_exactly_one_gpu(
     sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
 ) -> None:
     """A default GPU request MUST give exactly one GPU, the one the driver reports."""
-    sandbox = sandboxes(SandboxSpec.with_gpus())
-    assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
-    assert uuids(sandbox)[0] in host_gpus
-    assert visible_gpu_uuids(sandbox) == uuids(sandbox)
+    # The second while the first is held too: not only the lowest GPU. (The concurrency
+    # tests check what each of the sandboxes that fill the host sees.)
+    for _ in host_gpus[:2]:
+        sandbox = sandboxes(SandboxSpec.with_gpus())
+        assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
+        assert uuids(sandbox)[0] in host_gpus
+        assert visible_gpu_uuids(sandbox) == uuids(sandbox)
 
 
 def _counts(driver: Driver) -> list[int]:
@@ -50,20 +54,35 @@ def test_count_request_sees_exactly_n_distinct_gpus(
         seen = visible_gpu_uuids(sandbox)
         assert sorted(seen) == sorted(reported), f"asked for {count}, nvidia-smi shows {seen}"
         sandbox.close()
+    if len(host_gpus) >= 3 and driver.capabilities.exclusive:
+        # While another sandbox holds a GPU: N others, none of them the held one.
+        held = uuids(sandboxes(SandboxSpec.with_gpus()))
+        pair = sandboxes(SandboxSpec.with_gpus(2))
+        assert len(set(uuids(pair))) == 2
+        assert not set(uuids(pair)) & set(held), f"{held} is held; a count of 2 got {uuids(pair)}"
+        assert sorted(visible_gpu_uuids(pair)) == sorted(uuids(pair))
 
 
 @pytest.mark.requirement("GPU-ISOLATION-01")
 @pytest.mark.gpus(2)
 def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFactory) -> None:
-    """Only the assigned GPUs' device nodes MUST exist inside the sandbox."""
+    """Only the assigned GPUs' device nodes MUST exist inside the sandbox, of every kind."""
     count = min(2, driver.capabilities.max_gpus_per_sandbox)
-    sandbox = sandboxes(SandboxSpec.with_gpus(count))
-    assert all(gpu.minor is not None for gpu in sandbox.gpus), (
-        f"the driver reports GPUs without a device minor: {sandbox.gpus}"
-    )
-    expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
-    nodes = nvidia_gpu_nodes(sandbox)
-    assert sorted(node.minor for node in nodes) == expected, (
-        f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
-    )
-    assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))
+    requests = [SandboxSpec.with_gpus(count), SandboxSpec.with_gpus()]
+    if driver.capabilities.exact_ids:
+        last = driver.device_ids(driver.inventory()[-1])[0]
+        requests.append(SandboxSpec.with_gpus(driver=driver.name, device_ids=[last]))
+    for spec in requests:
+        sandbox = sandboxes(spec)
+        assert all(gpu.minor is not None for gpu in sandbox.gpus), (
+            f"the driver reports GPUs without a device minor: {sandbox.gpus}"
+        )
+        expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
+        nodes = nvidia_gpu_nodes(sandbox)
+        assert sorted(node.minor for node in nodes) == expected, (
+            f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
+        )
+        foreign = foreign_gpu_nodes(sandbox, driver)
+        assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
+        assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))
+        sandbox.close()

@@ -107,6 +107,10 @@ class Driver(ABC):
     """
 
     name: ClassVar[str]
+    exhaustion_grace_s: ClassVar[float] = 1.0
+    """How much longer than a successful create a request for more GPUs than are free may
+    take to fail (GPU-EXHAUST-01). A second is plenty for a driver that decides locally; a
+    driver that must ask a scheduler sets (and documents) a longer one."""
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         self.host = host

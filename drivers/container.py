@@ -22,10 +22,10 @@ import os
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from drivers import cdi
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
@@ -80,6 +80,28 @@ class ExecOutput:
     returncode: int
     stdout: bytes
     stderr: bytes
+
+
+Client = TypeVar("Client")
+
+
+def client_cache(make: Callable[[str, int], Client]) -> Callable[[str, int], Client]:
+    """One engine client per URL, timeout, process and thread.
+
+    A forked child must not share its parent's connections, and a client's HTTP session is
+    not made for threads: an exec's hijacked stream read while another thread uses the same
+    session can come back empty. Exec's client waits as long as the command runs.
+    """
+    local = threading.local()
+
+    def client(url: str, timeout: int) -> Client:
+        clients: dict[tuple[str, int, int], Client] = local.__dict__.setdefault("clients", {})
+        key = (url, timeout, os.getpid())
+        if key not in clients:
+            clients[key] = make(url, timeout)
+        return clients[key]
+
+    return client
 
 
 class EngineError(Exception):
@@ -195,7 +217,7 @@ class ContainerDriver(Driver):
             return Availability(
                 False,
                 "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
-                "use --sim-root for a simulated GPU host)",
+                "use --sim-gpus=N for a simulated GPU host)",
             )
         missing = registry.missing(self.host.gpus)
         if missing:

@@ -476,9 +476,15 @@ def parse_proc_driver_information(text: str) -> dict[str, str]:
 
 
 def discover_nvidia(
-    *, nvidia_smi: str = "nvidia-smi", sysfs_root: Path = SYSFS_PCI_DEVICES
+    *,
+    nvidia_smi: str = "nvidia-smi",
+    sysfs_root: Path = SYSFS_PCI_DEVICES,
+    dri_by_path: Path = DRI_BY_PATH,
 ) -> tuple[GpuDevice, ...]:
     """NVIDIA GPUs from NVML, else from nvidia-smi; empty on a host without the NVIDIA driver.
+
+    Each GPU's nodes are its ``/dev/nvidia<minor>`` and, for a GPU with a display engine,
+    its DRI card and render nodes (``/dev/dri/by-path``), as nvidia-ctk's CDI specs give them.
 
     A host without the driver has neither libnvidia-ml nor nvidia-smi: that gives ().
     When a source is installed but fails, the failure is only harmless if no NVIDIA GPU
@@ -490,11 +496,14 @@ def discover_nvidia(
     failures: list[DiscoveryError] = []
     for source in (from_nvml, lambda: from_nvidia_smi(nvidia_smi)):
         try:
-            return source()
+            found = source()
         except SourceNotFound:
             continue
         except DiscoveryError as exc:
             failures.append(exc)
+            continue
+        dri = dri_nodes_by_pci(dri_by_path)
+        return tuple(replace(gpu, nodes=gpu.nodes + dri.get(gpu.pci_bus_id, ())) for gpu in found)
     if not failures:
         return ()
     waiting = [

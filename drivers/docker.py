@@ -11,8 +11,6 @@ GPUs are injected with ``DeviceRequest(driver="cdi", device_ids=[...])``, never 
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from drivers.container import (
     ContainerRequest,
     EngineError,
     ExecOutput,
+    client_cache,
 )
 from drivers.ownership import register_liveness
 
@@ -47,7 +46,7 @@ class DockerDriver(ContainerDriver):
 
     @property
     def api(self) -> docker.APIClient:
-        return _client(self.url, os.getpid(), API_TIMEOUT_S).api
+        return _client(self.url, API_TIMEOUT_S).api
 
     def ping(self) -> None:
         self.api.ping()
@@ -99,7 +98,7 @@ class DockerDriver(ContainerDriver):
         self.api.start(container_id)
 
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        api = _client(self.url, os.getpid(), EXEC_API_TIMEOUT_S).api
+        api = _client(self.url, EXEC_API_TIMEOUT_S).api
         try:
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             stdout, stderr = api.exec_start(exec_id, demux=True)
@@ -144,20 +143,14 @@ class DockerDriver(ContainerDriver):
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
         try:
-            _client(url, os.getpid(), LIVENESS_TIMEOUT_S).api.inspect_container(container_id)
+            _client(url, LIVENESS_TIMEOUT_S).api.inspect_container(container_id)
         except docker.errors.NotFound:
             return False
         return True
 
 
-@functools.cache
-def _client(url: str, pid: int, timeout: int) -> docker.DockerClient:
-    """One client per engine, process and timeout.
-
-    A forked child must not share its parent's connections; exec's client waits as long as
-    the command runs.
-    """
-    return docker.DockerClient(base_url=url, timeout=timeout, version="auto")
-
+_client = client_cache(
+    lambda url, timeout: docker.DockerClient(base_url=url, timeout=timeout, version="auto")
+)
 
 register_liveness(DockerDriver.name, DockerDriver.holder_alive)

@@ -1,8 +1,9 @@
 """``python -m drivers.hold``: create one sandbox in a process of its own and hold it.
 
-The conformance suite uses it to contend for GPUs from separate processes and to kill a
-sandbox's creator. Protocol, one JSON object per line: it waits for a line on stdin
-(``go``), creates the sandbox, prints ``{"ok": true, "sandbox": ..., "gpus": [uuids]}`` or
+The conformance suite uses it to contend for GPUs from separate processes, to kill a
+sandbox's creator, and (``--reap``) to reap a session from a fresh process. Protocol, one
+JSON object per line: it waits for a line on stdin (``go``), creates the sandbox, prints
+``{"ok": true, "sandbox": ..., "gpus": [uuids], "visible": [uuids nvidia-smi lists]}`` or
 ``{"ok": false, "error": <type>, "message": ...}``, then holds the sandbox until stdin closes.
 """
 
@@ -24,6 +25,7 @@ from drivers.base import Driver
 from drivers.errors import DriverError
 from drivers.host import GpuHost, HostConfig
 from drivers.spec import SandboxSpec, parse_spec
+from drivers.testing import visible_gpu_uuids
 
 REPLY_TIMEOUT_S = 60.0
 """A holder imports the driver and creates one sandbox; a minute means it is stuck."""
@@ -38,18 +40,15 @@ class HeldSandbox:
     @classmethod
     def start(cls, driver: Driver, host: HostConfig, spec: SandboxSpec) -> HeldSandbox:
         """Start a holder process; it creates its sandbox once told to ``go``."""
-        cls_path = f"{type(driver).__module__}:{type(driver).__qualname__}"
-        name = driver.name if REGISTRY.get(driver.name) == cls_path else cls_path
         argv = [
             sys.executable, "-m", "drivers.hold",
-            f"--driver={name}", f"--session={driver.session_id}",
+            f"--driver={_name(driver)}", f"--session={driver.session_id}",
             f"--spec={json.dumps(spec.to_dict())}", *host.as_args(),
         ]  # fmt: skip
         if driver.image:
             argv.append(f"--image={driver.image}")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
         )
         return cls(process)
 
@@ -81,6 +80,10 @@ class HeldSandbox:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
 
+    def stop(self) -> None:
+        """SIGSTOP the holder process: alive, holding its sandbox, deaf to everything."""
+        self.process.send_signal(signal.SIGSTOP)
+
     def close(self) -> None:
         """Let the holder close its sandbox and exit."""
         if self.process.poll() is None:
@@ -106,6 +109,33 @@ class HeldSandbox:
         self.close()
 
 
+def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str) -> list[str]:
+    """What ``reap`` of ``session_id`` removes when run in a process that created nothing."""
+    argv = [
+        sys.executable, "-m", "drivers.hold", f"--driver={_name(driver)}",
+        f"--session={session_id}", "--reap", "--spec={}", *host.as_args(),
+    ]  # fmt: skip
+    if driver.image:
+        argv.append(f"--image={driver.image}")
+    done = subprocess.run(
+        argv, capture_output=True, text=True, env=_env(), timeout=REPLY_TIMEOUT_S, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"reap from a fresh process failed ({done.returncode}): {done.stderr}")
+    removed: list[str] = json.loads(done.stdout)["removed"]
+    return removed
+
+
+def _name(driver: Driver) -> str:
+    """The --driver value that makes another process build the same driver."""
+    cls_path = f"{type(driver).__module__}:{type(driver).__qualname__}"
+    return driver.name if REGISTRY.get(driver.name) == cls_path else cls_path
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m drivers.hold", description=__doc__)
     parser.add_argument("--driver", required=True)
@@ -114,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-root", type=Path)
     parser.add_argument("--gpu-state-dir", type=Path)
     parser.add_argument("--image")
+    parser.add_argument("--reap", action="store_true", help="reap the session, then exit")
     args = parser.parse_args(argv)
 
     host = GpuHost.open(HostConfig(args.sim_root, args.gpu_state_dir))
     driver = get_driver_class(args.driver)(host, args.session, args.image)
+    if args.reap:
+        _reply({"removed": driver.reap(args.session)})
+        return 0
     spec = parse_spec(args.spec)
     if not sys.stdin.readline():
         return 0
@@ -127,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         _reply({"ok": False, "error": type(exc).__name__, "message": str(exc)})
         return 0
     with sandbox:
-        _reply({"ok": True, "sandbox": sandbox.id, "gpus": [gpu.uuid for gpu in sandbox.gpus]})
+        try:
+            visible = visible_gpu_uuids(sandbox)
+        except (AssertionError, DriverError) as exc:  # reported, and judged by the caller
+            visible = [f"(nvidia-smi failed: {exc})"]
+        gpus = [gpu.uuid for gpu in sandbox.gpus]
+        _reply({"ok": True, "sandbox": sandbox.id, "gpus": gpus, "visible": visible})
         sys.stdin.read()
     return 0
 

@@ -10,8 +10,6 @@ GPUs are injected as CDI names in ``devices``; podman 4.3 accepts ``--gpus`` and
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from drivers.container import (
     ContainerRequest,
     EngineError,
     ExecOutput,
+    client_cache,
 )
 from drivers.ownership import register_liveness
 from drivers.wait import wait_until
@@ -47,7 +46,7 @@ class PodmanDriver(ContainerDriver):
 
     @property
     def client(self) -> podman.PodmanClient:
-        return _client(self.url, os.getpid(), API_TIMEOUT_S)
+        return _client(self.url, API_TIMEOUT_S)
 
     def ping(self) -> None:
         if not self.client.ping():
@@ -92,7 +91,7 @@ class PodmanDriver(ContainerDriver):
         self.client.containers.get(container_id).start()
 
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        client = _client(self.url, os.getpid(), EXEC_API_TIMEOUT_S)
+        client = _client(self.url, EXEC_API_TIMEOUT_S)
         try:
             container = client.containers.get(container_id)
             returncode, output = container.exec_run(list(argv), environment=dict(env), demux=True)
@@ -141,13 +140,9 @@ class PodmanDriver(ContainerDriver):
 
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
-        return bool(_client(url, os.getpid(), LIVENESS_TIMEOUT_S).containers.exists(container_id))
+        return bool(_client(url, LIVENESS_TIMEOUT_S).containers.exists(container_id))
 
 
-@functools.cache
-def _client(url: str, pid: int, timeout: int) -> podman.PodmanClient:
-    """One client per service, process and timeout (as for docker)."""
-    return podman.PodmanClient(base_url=url, timeout=timeout)
-
+_client = client_cache(lambda url, timeout: podman.PodmanClient(base_url=url, timeout=timeout))
 
 register_liveness(PodmanDriver.name, PodmanDriver.holder_alive)

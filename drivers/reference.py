@@ -139,7 +139,7 @@ class ReferenceDriver(Driver):
             return Availability(
                 False,
                 "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
-                "use --sim-root for a simulated GPU host)",
+                "use --sim-gpus=N for a simulated GPU host)",
             )
         # The very command line a sandbox gets, so that a bwrap lacking an option it uses
         # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 
 from drivers.base import Driver, Sandbox
 from drivers.errors import GpuAllocationError
@@ -47,13 +50,43 @@ class NodeSeen:
     minor: int
 
 
-def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
-    """Every character device under the sandbox's /dev that is an NVIDIA GPU (195:0-253).
+DRM_MAJOR = 226
+"""/dev/dri/card<N> and renderD<N>: AMD, Intel and NVIDIA display GPUs."""
+GPU_DEVICE_NAMES = (
+    "nvidia-uvm", "nvidia-caps", "nvidia-caps-imex-channels", "nvidia-nvlink",
+    "nvidia-nvswitch", "nvidia-frontend", "kfd",
+)  # fmt: skip
+"""/proc/devices names of the GPU drivers' dynamically numbered character devices."""
 
-    All of /dev is searched, dotfiles and subdirectories included, not only /dev/nvidia*:
-    a node's identity is its number. The type comes from ``stat``, not ``find -type c``,
-    which trusts the directory entry: a device bind-mounted over a placeholder file (as
-    bubblewrap does) is listed there as a regular file.
+
+def gpu_device_majors(host_majors: Iterable[int] = ()) -> frozenset[int]:
+    """Majors whose nodes reach a GPU: NVIDIA's and DRM's, and the dynamic ones of this host.
+
+    ``host_majors`` adds others a (simulated) host uses for such nodes.
+    """
+    majors = {NVIDIA_MAJOR, DRM_MAJOR, *host_majors}
+    try:
+        lines = Path("/proc/devices").read_text().splitlines()
+    except OSError:
+        lines = []
+    in_char = False
+    for line in lines:
+        if line.startswith("Character devices:"):
+            in_char = True
+        elif line.startswith("Block devices:"):
+            in_char = False
+        elif in_char and line.split()[1:2] and line.split()[1] in GPU_DEVICE_NAMES:
+            majors.add(int(line.split()[0]))
+    return frozenset(majors)
+
+
+def device_nodes(sandbox: Sandbox) -> list[NodeSeen]:
+    """Every character device under the sandbox's /dev, by the numbers ``stat`` reports.
+
+    All of /dev is searched, dotfiles and subdirectories included: a node's identity is its
+    number, not its name. The type comes from ``stat``, not ``find -type c``, which trusts
+    the directory entry: a device bind-mounted over a placeholder file (as bubblewrap does)
+    is listed there as a regular file.
     """
     __tracebackhide__ = True
     script = "find /dev ! -type d -exec stat -c '%F|%t|%T|%n' {} + 2>/dev/null; true"
@@ -65,12 +98,38 @@ def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     nodes = []
     for line in result.stdout.splitlines():
         kind, major, minor, path = line.split("|", 3)
-        if kind != "character special file":
-            continue
-        seen = NodeSeen(path, int(major, 16), int(minor, 16))
-        if seen.major == NVIDIA_MAJOR and seen.minor not in _NVIDIA_CONTROL_MINORS:
-            nodes.append(seen)
+        if kind == "character special file":
+            nodes.append(NodeSeen(path, int(major, 16), int(minor, 16)))
     return nodes
+
+
+def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
+    """The NVIDIA GPU nodes (195:0-253) under the sandbox's /dev."""
+    __tracebackhide__ = True
+    return [
+        node
+        for node in device_nodes(sandbox)
+        if node.major == NVIDIA_MAJOR and node.minor not in _NVIDIA_CONTROL_MINORS
+    ]
+
+
+def foreign_gpu_nodes(sandbox: Sandbox, driver: Driver) -> list[NodeSeen]:
+    """GPU device nodes in the sandbox that are neither its GPUs' own nor control nodes.
+
+    Any node that reaches a GPU counts, whatever its kind: NVIDIA's, DRM card and render
+    nodes, nvidia-caps, AMD's kfd, and the (simulated) host's own GPU-related majors.
+    """
+    __tracebackhide__ = True
+    allowed = {(n.major, n.minor) for gpu in sandbox.gpus for n in gpu.nodes}
+    control = {(n.major, n.minor) for n in driver.host.control_nodes}
+    majors = gpu_device_majors(major for major, _ in control)
+    return [
+        node
+        for node in device_nodes(sandbox)
+        if node.major in majors
+        and (node.major, node.minor) not in allowed
+        and ((node.major, node.minor) not in control or not sandbox.gpus)
+    ]
 
 
 def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
@@ -85,22 +144,29 @@ def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
 
 
 def assert_all_gpus_grantable(driver: Driver, after: str) -> None:
-    """Take every GPU of the host, then give them back: proves nothing is still held."""
+    """Take every GPU of the host, then give them back: proves nothing is still held.
+
+    The sandboxes are created and closed all at once (one per GPU, where a driver takes one
+    per sandbox: a VM boots in seconds).
+    """
     __tracebackhide__ = True
-    taken: list[Sandbox] = []
-    try:
-        for spec in specs_for_all_gpus(driver):
-            try:
-                taken.append(driver.create(spec))
-            except GpuAllocationError as exc:
-                raise AssertionError(f"a GPU is still held {after}: {exc}") from None
-        granted = sorted(gpu.uuid for sandbox in taken for gpu in sandbox.gpus)
-        assert granted == sorted(gpu.uuid for gpu in driver.inventory()), (
-            f"taking every GPU {after} granted {granted}"
-        )
-    finally:
-        for sandbox in taken:
-            sandbox.close()
+    specs = specs_for_all_gpus(driver)
+    with ThreadPoolExecutor(len(specs)) as pool:
+        attempts = [pool.submit(driver.create, spec) for spec in specs]
+        wait(attempts)
+        taken = [a.result() for a in attempts if a.exception() is None]
+        try:
+            for attempt in attempts:
+                if isinstance(exc := attempt.exception(), GpuAllocationError):
+                    raise AssertionError(f"a GPU is still held {after}: {exc}") from None
+                attempt.result()
+            granted = sorted(gpu.uuid for sandbox in taken for gpu in sandbox.gpus)
+            assert granted == sorted(gpu.uuid for gpu in driver.inventory()), (
+                f"taking every GPU {after} granted {granted}"
+            )
+        finally:
+            for closing in [pool.submit(sandbox.close) for sandbox in taken]:
+                closing.result()
 
 
 def uuids(sandbox: Sandbox) -> list[str]:

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from drivers import reference
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult
 from drivers.errors import (
     DuplicateGpuDevice,
@@ -201,16 +203,38 @@ class SharesBusyGpu(BrokenDriver):
         return self.resolve(plan) if plan.device_ids else super().allocate(sandbox_id, plan)
 
 
+RACE_WINDOW_S = 0.25
+"""How long a grant of the unlocked registries takes between reading and writing: wide
+enough that creates the catalogue starts together overlap, even on a loaded machine."""
+
+
 class _UnlockedRegistry(LeaseRegistry):
-    """Read-modify-write with no lock at all, and a pause that widens the race."""
+    """Read-modify-write with no lock at all, and a grant slow enough to race."""
+
+    _granting = threading.local()
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
         yield
 
+    def acquire(
+        self,
+        inventory: Sequence[GpuDevice],
+        owner: LeaseOwner,
+        *,
+        count: int = 0,
+        exact: Sequence[GpuDevice] = (),
+    ) -> tuple[GpuDevice, ...]:
+        self._granting.on = True
+        try:
+            return super().acquire(inventory, owner, count=count, exact=exact)
+        finally:
+            self._granting.on = False
+
     def _load(self) -> list[Lease]:
         leases = super()._load()
-        time.sleep(0.005)
+        if getattr(self._granting, "on", False):
+            time.sleep(RACE_WINDOW_S)
         return leases
 
 
@@ -324,6 +348,191 @@ class ExecHidesExitCode(BrokenDriver):
     def create(self, spec: SandboxSpec) -> ReferenceSandbox:
         sandbox = super().create(spec)
         sandbox.__class__ = _LyingSandbox
+        return sandbox
+
+
+# -- defects only the general form of a requirement catches ------------------------------
+
+
+class OwnRegistry(BrokenDriver):
+    """A sound allocator of its own (locked, shared by its processes), blind to the host's."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        private = LeaseRegistry(host.leases.directory.parent / "own-registry")
+        super().__init__(dataclasses.replace(host, leases=private), session_id, image)
+
+
+class RetriesWhenExhausted(BrokenDriver):
+    """An exhausted request waits three seconds for a GPU to come free before failing."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                return super().allocate(sandbox_id, plan)
+            except GpusExhausted:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+class HangsWhenExhausted(BrokenDriver):
+    """An exhausted request never returns: it queues for a GPU forever."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().allocate(sandbox_id, plan)
+        except GpusExhausted:
+            threading.Event().wait()
+            raise
+
+
+class GrantsTheFreeOnes(BrokenDriver):
+    """Exact devices, some busy: the free ones are granted, the busy ones dropped."""
+
+    BREAKS = "GPU-BUSY-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if len(plan.device_ids) < 2:
+            return super().allocate(sandbox_id, plan)
+        held = {lease.gpu_uuid for lease in self.host.leases.leases()}
+        wanted = [gpu for gpu in self.resolve(plan) if gpu.uuid not in held]
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(self.inventory(), owner, exact=wanted or ())
+
+
+class ReadsDockerBlock(BrokenDriver):
+    """Without a block of its own, it takes the docker driver's as its own."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        config = dict(spec.driver_config)
+        if self.name not in config and "docker" in config:
+            config[self.name] = config.pop("docker")
+        return super().validate(dataclasses.replace(spec, driver_config=config))
+
+
+class PrefersFirstBlock(BrokenDriver):
+    """Reads the first block of driver_config, whichever driver it is for."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+        if len(spec.driver_config) > 1:
+            first = next(iter(spec.driver_config.values()))
+            spec = dataclasses.replace(spec, driver_config={self.name: first})
+        return super().validate(spec)
+
+
+_CREATED_HERE: set[str] = set()
+
+
+class ReapsOnlyItsOwn(BrokenDriver):
+    """reap() knows only the sandboxes this process created: after a crash, nothing."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        sandbox = super().create(spec)
+        _CREATED_HERE.add(sandbox.id)
+        return sandbox
+
+    def reap(self, session_id: str) -> list[str]:
+        mine = [s for s in self.sandboxes(session_id) if s in _CREATED_HERE]
+        for sandbox_id, pid in reference._bwrap_processes(session_id):
+            if sandbox_id in mine:
+                os.kill(pid, 9)
+        for sandbox_id in mine:
+            self.release(sandbox_id)
+        return mine
+
+
+class LeaksAllButFirst(BrokenDriver):
+    """close() gives back the first GPU of a sandbox and keeps the others."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    def holder(self, sandbox_pid: int) -> Holder:
+        return Holder.process(os.getpid())
+
+    def release(self, sandbox_id: str) -> None:
+        leases = [x for x in self.host.leases.leases() if x.sandbox_id == sandbox_id]
+        if len(leases) < 2:
+            super().release(sandbox_id)
+            return
+        kept = f"{sandbox_id}-kept"
+        self.host.leases.release(sandbox_id)
+        owner = LeaseOwner(self.name, kept, self.session_id, Holder.process(os.getpid()))
+        by_uuid = {gpu.uuid: gpu for gpu in self.inventory()}
+        self.host.leases.acquire(
+            self.inventory(), owner, exact=[by_uuid[x.gpu_uuid] for x in leases[1:]]
+        )
+
+
+class StaleInjection(BrokenDriver):
+    """Injects the GPUs it saw free before taking its leases: racing creates share a node."""
+
+    BREAKS = "GPU-CONCURRENT-01"
+    BREAKS_ONE_OF = frozenset({"GPU-CONCURRENT-01", "GPU-CONCURRENT-02"})
+    _seen = threading.local()
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        self._seen.gpus = self.host.leases.free(self.inventory())[: plan.count]
+        time.sleep(0.01)  # the time a real driver spends on its own bookkeeping
+        return super().allocate(sandbox_id, plan)
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        seen = getattr(self._seen, "gpus", None)
+        self._seen.gpus = None
+        return super().bwrap_argv(sandbox_id, seen if seen and gpus else gpus)
+
+
+class LeaksDriNode(BrokenDriver):
+    """Gives every GPU sandbox a DRM render node of the host as well: another GPU's door."""
+
+    BREAKS = "GPU-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        if not gpus:
+            return argv
+        node = self.host.leases.directory.parent / "renderD128"
+        with contextlib.suppress(FileExistsError):
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(226, 128))
+        return [*argv[:-2], "--dev-bind", str(node), "/dev/dri/renderD128", *argv[-2:]]
+
+
+class NodeByIndex(BrokenDriver):
+    """Binds /dev/nvidia<index> for GPU <index>: the right GPU only where minor == index."""
+
+    BREAKS = "GPU-DEFAULT-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        by_minor = {gpu.minor: gpu for gpu in self.inventory()}
+        return super().bwrap_argv(sandbox_id, [by_minor[gpu.index] for gpu in gpus])
+
+
+class _TruncatingSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        result = super().exec(argv, timeout)
+        return dataclasses.replace(result, stdout=result.stdout[:65536])
+
+
+class ExecTruncatesOutput(BrokenDriver):
+    """exec() returns at most 64 KiB of a command's output, as a fixed buffer would."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        sandbox = super().create(spec)
+        sandbox.__class__ = _TruncatingSandbox
         return sandbox
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from drivers.base import Availability
-from drivers.reference import ReferenceDriver
+import threading
+from collections.abc import Sequence
+
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult
+from drivers.reference import ReferenceDriver, ReferenceSandbox
+from drivers.spec import SandboxSpec
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -15,3 +19,18 @@ class UnavailableDriver(ReferenceDriver):
 
 class NotADriver:
     """Importable, but not a drivers.base.Driver."""
+
+
+class HangsInExec(ReferenceDriver):
+    """A driver whose sandboxes never return from a command: the per-test bound catches it."""
+
+    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+        sandbox = super().create(spec)
+        sandbox.__class__ = _HangingSandbox
+        return sandbox
+
+
+class _HangingSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        threading.Event().wait()
+        raise AssertionError("unreachable")

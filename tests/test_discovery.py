@@ -662,6 +662,29 @@ def test_discover_nvidia_falls_back_to_nvidia_smi(
     assert gpu.uuid == "GPU-a"
 
 
+def test_discover_nvidia_gives_a_display_gpu_its_dri_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As nvidia-ctk's CDI specs do: a GPU with a display engine has card and render nodes."""
+    nvidia = DeviceNode("/dev/nvidia3", NVIDIA_MAJOR, 3)
+    gpu = GpuDevice(0, "GPU-a", "RTX", "0000:01:00.0", minor=3, nodes=(nvidia,))
+    monkeypatch.setattr(discovery, "from_nvml", lambda: (gpu,))
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    for name, minor in (("card1", 1), ("renderD128", 128)):
+        make_node(dri / name, minor)
+        kind = "card" if name.startswith("card") else "render"
+        (dri / "by-path" / f"pci-0000:01:00.0-{kind}").symlink_to(f"../{name}")
+
+    (found,) = discover_nvidia(nvidia_smi=str(tmp_path / "none"), dri_by_path=dri / "by-path")
+
+    assert [node.path for node in found.nodes] == [
+        "/dev/nvidia3",
+        str(dri / "card1"),
+        str(dri / "renderD128"),
+    ]
+
+
 DRIVER_NOT_LOADED = DiscoveryError("NVML: nvmlInit failed: Driver Not Loaded")
 
 

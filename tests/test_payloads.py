@@ -38,7 +38,10 @@ def payload(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("workload", WORKLOADS.values(), ids=list(WORKLOADS))
+SCRIPTS = {name: w for name, w in WORKLOADS.items() if w.payload is not None}
+
+
+@pytest.mark.parametrize("workload", SCRIPTS.values(), ids=list(SCRIPTS))
 def test_every_payload_ends_as_expected_in_cpu_mode(workload: Workload) -> None:
     outcome = run_on_host(workload, sys.executable, FAKE_UUIDS[: workload.gpus], cpu=True)
     assert outcome.verdict == workload.expect, outcome.explain()

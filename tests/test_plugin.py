@@ -66,7 +66,9 @@ def test_default_driver_that_cannot_run_is_skipped_and_the_run_fails(
     outcomes = result.parseoutcomes()
     assert outcomes.get("skipped", 0) > 0
     assert outcomes.get("passed", 0) == 0
-    result.stdout.fnmatch_lines(["*SKIPPED*reference: needed NVIDIA GPUs (found none*"])
+    result.stdout.fnmatch_lines(
+        ["*= skipped, by reason =*", "*  reference: needed NVIDIA GPUs (found none*"]
+    )
     # ...and a run in which no driver could run checked nothing: it does not pass.
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
@@ -199,3 +201,26 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
         ]
     )
     assert result.ret == pytest.ExitCode.OK
+
+
+def test_a_hanging_driver_fails_its_requirement_by_name_and_the_report_is_written(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """The per-test bound (pytest-timeout, signal) interrupts the test, not the run."""
+    host = simgpu.setup(tmp_path / "sim", 2)
+    report = tmp_path / "conformance.json"
+    result = run(
+        pytester,
+        "--driver=tests.fake_drivers:HangsInExec",
+        f"--sim-root={host.root}",
+        "--requirement=GPU-NONE-01,GPU-EXHAUST-02",
+        "--timeout=3",
+        f"--conformance-json={report}",
+        tests="",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    matrix = json.loads(report.read_text())["matrix"]
+    name = "tests.fake_drivers:HangsInExec"
+    assert matrix["GPU-NONE-01"][name] == "failed"  # it hung in nvidia-smi, and was stopped
+    assert matrix["GPU-EXHAUST-02"][name] == "passed"  # and the run went on
+    result.stdout.fnmatch_lines([f"{name}: FAIL — GPU-NONE-01 failed: *Timeout*"])

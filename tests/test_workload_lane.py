@@ -49,17 +49,21 @@ def test_a_payload_runs_in_cpu_mode_inside_a_reference_sandbox(
     assert outcome.metrics["elements"] == 1 << 20
 
 
-def test_on_simulated_gpus_every_workload_skips_with_the_reason(
+def test_on_simulated_gpus_the_gpu_workloads_skip_and_the_controls_run(
     pytester: pytest.Pytester, sim_host: simgpu.SimulatedHost
 ) -> None:
     result = run_lane(pytester, sim_host)
-    result.assert_outcomes(skipped=len(load_manifest(MANIFEST)))
+    workloads = load_manifest(MANIFEST)
+    controls = [w for w in workloads if not w.gpus]
+    assert {w.expect for w in controls} == {"fail"}
+    # The controls need no GPU: they run, and are seen to fail as they must.
+    result.assert_outcomes(passed=len(controls), skipped=len(workloads) - len(controls))
     # The matrix (rows in the golden list's order) closes the output, after the skips.
     result.stdout.fnmatch_lines(
         [
-            "SKIPPED*no CUDA device: the GPUs are simulated (8 x NVIDIA H100*simulated GPUs*",
+            "*no CUDA device: the GPUs are simulated (8 x NVIDIA H100*simulated GPUs*",
             "WORKLOAD-CUDA-01*skipped*",
-            "WORKLOAD-CONTROL-01*skipped*",
+            "WORKLOAD-CONTROL-01*passed*",
         ]
     )
 

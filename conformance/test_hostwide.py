@@ -1,0 +1,127 @@
+"""Host-wide exclusivity: GPUs held through the host's lease registry by anyone are not free.
+
+The holders are of other kinds than the driver under test: the lease protocol's client in
+POSIX sh (scripts/gpu-lease), a program of another language, and a reference sandbox made
+by another process. A driver with an allocator of its own passes every other requirement
+and fails this one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import SandboxFactory, Settings
+from drivers.base import Driver
+from drivers.errors import GpuBusy, GpusExhausted
+from drivers.gpus import GpuDevice
+from drivers.hold import HeldSandbox
+from drivers.host import GpuHost
+from drivers.reference import ReferenceDriver
+from drivers.spec import SandboxSpec
+from drivers.testing import uuids, visible_gpu_uuids
+
+LEASE_CLIENT = Path(__file__).parent.parent / "scripts" / "gpu-lease"
+HOLD_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def _held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]) -> Iterator[None]:
+    """The sh client holds ``gpus`` in the host's registry for as long as the block runs."""
+    if not shutil.which("jq") or not shutil.which("flock"):
+        pytest.fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
+    directory = host.leases.directory
+    process = subprocess.Popen(
+        [str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
+         "--session", session_id, "--sandbox", f"sh-{time.time_ns()}",
+         *(gpu.uuid for gpu in gpus), "--", "sleep", "3600"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        wanted = {gpu.uuid for gpu in gpus}
+        while not wanted <= {lease.gpu_uuid for lease in host.leases.leases()}:
+            if process.poll() is not None or time.monotonic() > deadline:
+                _, stderr = process.communicate()
+                pytest.fail(f"the sh client could not hold {sorted(wanted)}: {stderr.strip()}")
+            time.sleep(0.02)
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+@contextmanager
+def _held_by_a_reference_sandbox(
+    settings: Settings, session_id: str, gpu: GpuDevice
+) -> Iterator[None]:
+    """A reference sandbox made by another process holds ``gpu`` (when bwrap can run)."""
+    reference = ReferenceDriver(settings.host, session_id)
+    if not reference.probe().ok:
+        yield  # the sh client's holds carry the check alone
+        return
+    spec = SandboxSpec.with_gpus(driver="reference", device_ids=[gpu.uuid])
+    with HeldSandbox.start(reference, settings.host_config, spec) as other:
+        reply = other.go()
+        assert reply["ok"], f"a reference sandbox could not take {gpu.describe()}: {reply}"
+        yield
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-HOSTWIDE-01")
+def test_gpus_held_through_the_host_registry_are_never_granted(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """GPUs held by other drivers and processes MUST never be granted, by any kind of request."""
+    inventory = driver.inventory()
+    held = list(inventory[::2])  # every other GPU: not only the lowest ones
+    free = [gpu for gpu in inventory if gpu not in held]
+    held_ids = {gpu.uuid for gpu in held}
+    with ExitStack() as holders:
+        sh_held = held[: max(1, len(held) // 2)]
+        # The host's own registry, whatever the driver under test made of it.
+        holders.enter_context(_held_by_the_sh_client(settings.host, driver.session_id, sh_held))
+        for gpu in held[len(sh_held) :]:
+            holders.enter_context(_held_by_a_reference_sandbox(settings, driver.session_id, gpu))
+
+        # Default requests, until none is left.
+        got = []
+        for _ in free:
+            sandbox = sandboxes(SandboxSpec.with_gpus())
+            got += uuids(sandbox)
+            assert not set(visible_gpu_uuids(sandbox)) & held_ids
+        assert not set(got) & held_ids, f"defaults got {got}; others hold {sorted(held_ids)}"
+        with pytest.raises(GpusExhausted):
+            sandboxes(SandboxSpec.with_gpus())
+        for sandbox in list(sandboxes.open):
+            sandbox.close()
+
+        # A count of every free GPU, at once.
+        count = min(len(free), driver.capabilities.max_gpus_per_sandbox)
+        if count:
+            together = sandboxes(SandboxSpec.with_gpus(count))
+            assert not set(uuids(together)) & held_ids, f"a count of {count} got {uuids(together)}"
+            together.close()
+
+        # Exact devices: each held one is busy, alone or beside a free one, and takes nothing.
+        if driver.capabilities.exact_ids:
+            for gpu in held:
+                device = driver.device_ids(gpu)[0]
+                with pytest.raises(GpuBusy):
+                    sandboxes(SandboxSpec.with_gpus(driver=driver.name, device_ids=[device]))
+                if free and driver.capabilities.max_gpus_per_sandbox >= 2:
+                    pair = [driver.device_ids(free[0])[0], device]
+                    with pytest.raises(GpuBusy):
+                        sandboxes(SandboxSpec.with_gpus(2, driver=driver.name, device_ids=pair))
+            if free:
+                first_free = driver.device_ids(free[0])[0]
+                still = sandboxes(
+                    SandboxSpec.with_gpus(driver=driver.name, device_ids=[first_free])
+                )
+                assert uuids(still) == [free[0].uuid], "a refused exact request took a GPU"
