@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from importlib import metadata
@@ -146,6 +147,16 @@ def _alive(holder: Holder) -> bool:
     return True if check is None else check(holder)
 
 
+def _dead(leases: Collection[Lease]) -> set[Lease]:
+    """The leases whose holders are gone, asking once per holder, all holders at once."""
+    holders = list({lease.holder for lease in leases})
+    if not holders:
+        return set()
+    with ThreadPoolExecutor(len(holders)) as pool:
+        alive = dict(zip(holders, pool.map(_alive, holders), strict=True))
+    return {lease for lease in leases if not alive[lease.holder]}
+
+
 class LeaseRegistry:
     """The lease registry of one host (or of one simulated host) in ``directory``."""
 
@@ -185,7 +196,7 @@ class LeaseRegistry:
                         for gpu in granted
                     )  # fmt: skip
                     return granted
-            newly_dead = {lease for lease in suspects if not _alive(lease.holder)}
+            newly_dead = _dead({lease for lease in suspects})
             if not newly_dead:
                 raise refusal
             dead |= newly_dead
@@ -221,7 +232,7 @@ class LeaseRegistry:
         """The live leases, after reclaiming those whose holders are gone."""
         with self._locked() as leases:
             snapshot = list(leases)
-        dead = {x for x in snapshot if x.holder.kind != PROCESS and not _alive(x.holder)}
+        dead = _dead({lease for lease in snapshot if lease.holder.kind != PROCESS})
         if not dead:
             return snapshot
         with self._locked(drop=dead) as leases:

@@ -8,6 +8,7 @@ read one registered CDI spec, so one simulated host serves them all.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -21,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from drivers import simgpu
-from drivers.container import SESSION_LABEL, ContainerDriver
+from drivers.container import LIVENESS_TIMEOUT_S, SESSION_LABEL, ContainerDriver
 from drivers.docker import DockerDriver
-from drivers.errors import UnknownGpuDevice, UnknownImage
+from drivers.errors import GpusExhausted, UnknownGpuDevice, UnknownImage
 from drivers.host import GpuHost, HostConfig
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
@@ -252,3 +253,43 @@ def test_bad_image_and_unknown_cdi_name_are_typed_errors_leaving_nothing(
     assert driver.sandboxes(driver.session_id) == []
     assert list(driver.keepalive_dir().glob(f"{driver.session_id}.*")) == []
     assert_all_gpus_grantable(driver, after="refusing a bad image and an unknown CDI name")
+
+
+def _dockerd_pid() -> int:
+    """The pid of the dockerd answering at the docker socket, from its pidfile."""
+    for pidfile in (Path("/run/gpu-sandbox-engines/dockerd.run.pid"), Path("/var/run/docker.pid")):
+        if pidfile.is_file():
+            return int(pidfile.read_text().split()[0])
+    pytest.fail("needed dockerd's pidfile (make engines writes /run/gpu-sandbox-engines/...)")
+
+
+def test_a_hung_engine_delays_no_other_drivers_grants(engine_host: GpuHost) -> None:
+    """A hung dockerd holds up no other driver's grants and releases.
+
+    With dockerd SIGSTOPped while its containers hold GPUs, reference sandboxes still come
+    and go within the exhaustion bound; only a request that needs docker's verdict waits,
+    for the liveness check's own timeout at most, and is refused (never granted on a guess).
+    """
+    session = f"hung-{time.time_ns()}"
+    docker = DockerDriver(engine_host, session)
+    reference = ReferenceDriver(engine_host, session)
+    held = docker.create(SandboxSpec.with_gpus(2))
+    pid = _dockerd_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            with reference.create(SandboxSpec.with_gpus(len(engine_host.gpus) - 2)) as sandbox:
+                assert not set(uuids(sandbox)) & set(uuids(held))
+            took = time.monotonic() - start
+            assert took < ReferenceDriver.exhaustion_grace_s, f"a grant took {took:.2f} s"
+        start = time.monotonic()
+        with pytest.raises(GpusExhausted):
+            reference.create(SandboxSpec.with_gpus(len(engine_host.gpus) - 1))
+        waited = time.monotonic() - start
+        assert waited < LIVENESS_TIMEOUT_S + 3, f"the refusal took {waited:.1f} s"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        held.close()
+        reference.reap(session)
+        docker.reap(session)
