@@ -56,7 +56,7 @@ endef
 
 # bubblewrap runs the reference driver's sandboxes; busybox-static lets the self-tests run
 # the simulated nvidia-smi under busybox as a container image would; jq runs the lease
-# protocol's sh client (scripts/gpu-lease), which holds GPUs in GPU-HOSTWIDE-01.
+# protocol's sh client (gpuhost/gpu-lease), which holds GPUs in GPU-HOSTWIDE-01.
 host-packages:
 	$(call install-missing,bwrap:bubblewrap /bin/busybox:busybox-static nsenter+flock:util-linux jq:jq)
 
@@ -65,13 +65,13 @@ host-packages:
 test-packages:
 	$(call install-missing,chromium+chromium-browser+google-chrome:chromium)
 
-# A simulated host that stays until `python -m drivers.simgpu teardown --root $(SIM_ROOT)`,
+# A simulated host that stays until `python -m gpuhost.simulated teardown --root $(SIM_ROOT)`,
 # for runs of your own with --sim-root; `make conformance` makes one per run instead.
 simulated-host: venv
 	@if nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "real NVIDIA GPUs found: no simulated host"; \
 	else \
-	  $(BIN)/python -m drivers.simgpu setup --root $(SIM_ROOT) --count $(SIM_GPUS) \
+	  $(BIN)/python -m gpuhost.simulated setup --root $(SIM_ROOT) --count $(SIM_GPUS) \
 	    --cdi-dir /var/run/cdi; \
 	fi
 

@@ -26,13 +26,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from drivers import simgpu
 from drivers.base import Driver
-from drivers.errors import GpusExhausted
-from drivers.host import GpuHost, HostConfig
-from drivers.ownership import Holder, LeaseOwner, LeaseRegistry
 from drivers.reference import ReferenceDriver
-from drivers.spec import SandboxSpec
+from gpuhost import simulated
+from gpuhost.errors import GpusExhausted
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import Holder, LeaseOwner, LeaseRegistry
+from gpuhost.spec import SandboxSpec
 
 ROOT = Path(__file__).parent.parent
 MARKER_HOLD_S = 0.0005
@@ -104,7 +104,7 @@ def _contend(
     With ``check``, while it holds a GPU a worker owns a marker file for it, created with
     O_EXCL: if the registry ever granted a GPU twice, the second holder finds it there.
     """
-    host = simgpu.load(Path(directory))
+    host = simulated.load(Path(directory))
     registry = LeaseRegistry(Path(registry_dir))
     markers = Path(directory) / "bench-markers"
     holder = Holder.process(os.getpid())
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-        sim = simgpu.setup(Path(tmp) / "sim", 8)
+        sim = simulated.setup(Path(tmp) / "sim", 8)
         host = GpuHost.open(HostConfig(sim_root=sim.root))
         print(f"host: {host.describe()}; {os.cpu_count()} CPUs")
 

@@ -24,11 +24,11 @@ import uuid
 from pathlib import Path
 
 from bench.__main__ import ROOT, interleaved_medians, sandbox_lifecycle
-from drivers import simgpu
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
-from drivers.host import GpuHost, HostConfig
 from drivers.podman import PodmanDriver
+from gpuhost import simulated
+from gpuhost.host import GpuHost, HostConfig
 
 CDI_DIR = Path("/var/run/cdi")
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-engines-") as tmp:
-        sim = simgpu.setup(Path(tmp) / "sim", 8, cdi_dir=CDI_DIR)
+        sim = simulated.setup(Path(tmp) / "sim", 8, cdi_dir=CDI_DIR)
         try:
             host = GpuHost.open(HostConfig(sim_root=sim.root))
             print(f"host: {host.describe()}")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"({runs} runs: {listed})  not passed: {failed}"
                     )
         finally:
-            simgpu.teardown(sim.root)
+            simulated.teardown(sim.root)
     return 0
 
 

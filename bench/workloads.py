@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from drivers import simgpu
 from drivers.base import Sandbox
-from drivers.host import GpuHost, HostConfig
 from drivers.reference import ReferenceDriver
-from drivers.spec import SandboxSpec
+from gpuhost import simulated
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.spec import SandboxSpec
 from workloads.harness import PASS, Outcome, run_in_sandbox, run_on_host
 from workloads.manifest import Workload, load_manifest
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         host = None if args.cpu else GpuHost.open(HostConfig())
         cpu = host is None or host.simulated is not None or not host.gpus
         if cpu:
-            sim = simgpu.setup(Path(tmp) / "sim", 1)
+            sim = simulated.setup(Path(tmp) / "sim", 1)
             host = GpuHost.open(HostConfig(sim_root=sim.root))
         assert host is not None
         session = f"bench-workloads-{uuid.uuid4().hex[:8]}"

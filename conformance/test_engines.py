@@ -10,15 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import SandboxFactory, Settings
-from drivers import cdi
+from conformance.observe import uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from drivers.container import ContainerDriver, ContainerSandbox
-from drivers.errors import GpusExhausted
-from drivers.gpus import GpuDevice
-from drivers.spec import SandboxSpec
-from drivers.testing import uuids, visible_gpu_uuids
-from drivers.wait import wait_until
+from gpuhost import cdi
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpusExhausted
+from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_until
 
 CLI_TIMEOUT_S = 120
 

@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import SandboxFactory, Settings
+from conformance.hold import HeldSandbox
+from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
-from drivers.errors import GpusExhausted
-from drivers.hold import HeldSandbox
-from drivers.spec import SandboxSpec
-from drivers.testing import assert_all_gpus_grantable, uuids, visible_gpu_uuids
+from gpuhost.errors import GpusExhausted
+from gpuhost.spec import SandboxSpec
 
 
 def _grace(driver: Driver, settings: Settings) -> float:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SandboxFactory
+from conformance.plugin import SandboxFactory
 from drivers.base import Driver
-from drivers.spec import SandboxSpec
+from gpuhost.spec import SandboxSpec
 
 ENGINE_STATE = (
     "/var/lib/docker",

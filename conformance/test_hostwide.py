@@ -1,7 +1,7 @@
 """Host-wide exclusivity: GPUs held through the host's lease registry by anyone are not free.
 
 The holders are of other kinds than the driver under test: the lease protocol's client in
-POSIX sh (scripts/gpu-lease), a program of another language, and a reference sandbox made
+POSIX sh (gpuhost/gpu-lease), a program of another language, and a reference sandbox made
 by another process. A driver with an allocator of its own passes every other requirement
 and fails this one.
 """
@@ -13,21 +13,22 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from importlib import resources
 
 import pytest
 
-from conftest import SandboxFactory, Settings
+from conformance.hold import HeldSandbox
+from conformance.observe import uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
-from drivers.errors import GpuBusy, GpusExhausted
-from drivers.gpus import GpuDevice
-from drivers.hold import HeldSandbox
-from drivers.host import GpuHost
 from drivers.reference import ReferenceDriver
-from drivers.spec import SandboxSpec
-from drivers.testing import uuids, visible_gpu_uuids
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuBusy, GpusExhausted
+from gpuhost.host import GpuHost
+from gpuhost.spec import SandboxSpec
 
-LEASE_CLIENT = Path(__file__).parent.parent / "scripts" / "gpu-lease"
+LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
+"""The lease protocol's client in POSIX sh, shipped with the host layer."""
 HOLD_TIMEOUT_S = 30.0
 
 
@@ -38,7 +39,7 @@ def _held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]
         pytest.fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
     directory = host.leases.directory
     process = subprocess.Popen(
-        [str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
+        ["sh", str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
          "--session", session_id, "--sandbox", f"sh-{time.time_ns()}",
          *(gpu.uuid for gpu in gpus), "--", "sleep", "3600"],
         stderr=subprocess.PIPE, text=True,

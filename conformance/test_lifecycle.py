@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from conftest import SandboxFactory, Settings
+from conformance.hold import HeldSandbox, reap_from_a_fresh_process
+from conformance.observe import assert_all_gpus_grantable, specs_for_all_gpus, uuids
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
-from drivers.errors import ExecTimeout, GpusExhausted
-from drivers.hold import HeldSandbox, reap_from_a_fresh_process
-from drivers.spec import SandboxSpec
-from drivers.testing import assert_all_gpus_grantable, specs_for_all_gpus, uuids
-from drivers.wait import wait_until
+from gpuhost.errors import ExecTimeout, GpusExhausted
+from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_until
 
 LONG = 1 << 20
 """A mebibyte on each stream: more than any pipe or stream buffer holds at once."""

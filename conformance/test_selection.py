@@ -7,13 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conformance import requirements
-from conftest import SandboxFactory, Settings
+from conformance.hold import HeldSandbox
+from conformance.observe import uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
-from drivers.errors import GpuBusy, UnsupportedGpuRequest
-from drivers.gpus import GpuDevice
-from drivers.hold import HeldSandbox
-from drivers.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
-from drivers.testing import uuids, visible_gpu_uuids
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuBusy, UnsupportedGpuRequest
+from gpuhost.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
 
 
 @pytest.mark.exclusive

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from conformance import requirements
-from conftest import SandboxFactory
+from conformance.observe import assert_all_gpus_grantable
+from conformance.plugin import SandboxFactory
 from drivers.base import Driver
-from drivers.errors import (
+from gpuhost.errors import (
     DriverError,
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -25,8 +26,7 @@ from drivers.errors import (
     UnknownGpuDevice,
     UnsupportedGpuRequest,
 )
-from drivers.spec import parse_spec
-from drivers.testing import assert_all_gpus_grantable
+from gpuhost.spec import parse_spec
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SandboxFactory
+from conformance.observe import foreign_gpu_nodes, nvidia_gpu_nodes, uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory
 from drivers.base import Driver
-from drivers.spec import SandboxSpec
-from drivers.testing import foreign_gpu_nodes, nvidia_gpu_nodes, uuids, visible_gpu_uuids
+from gpuhost.spec import SandboxSpec
 
 
 @pytest.mark.requirement("GPU-NONE-01")

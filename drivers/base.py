@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar
 
-from drivers.errors import DuplicateGpuDevice, UnknownGpuDevice
-from drivers.gpus import GpuDevice
-from drivers.host import GpuHost
-from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice
+from gpuhost.host import GpuHost
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
 
 DEFAULT_EXEC_TIMEOUT_S = 120.0
 """Long enough for a workload payload to import CUDA libraries on a cold host."""

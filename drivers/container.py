@@ -27,20 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
-from drivers import cdi
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
-from drivers.errors import (
+from gpuhost import cdi
+from gpuhost.devices import CDI_KIND, GpuDevice
+from gpuhost.errors import (
     DuplicateGpuDevice,
     ExecTimeout,
     SandboxExecError,
     SandboxStartError,
     UnknownImage,
 )
-from drivers.gpus import CDI_KIND, GpuDevice
-from drivers.ownership import Holder, LeaseOwner
-from drivers.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
-from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
-from drivers.wait import wait_until
+from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.wait import wait_until
 
 DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
 """The base image ``make engines`` builds from a busybox rootfs (no registry needed)."""
@@ -222,7 +222,7 @@ class ContainerDriver(Driver):
         missing = registry.missing(self.host.gpus)
         if missing:
             hint = (
-                f"register the simulated host with `python -m drivers.simgpu setup --root "
+                f"register the simulated host with `python -m gpuhost.simulated setup --root "
                 f"{self.host.simulated.root} --cdi-dir /var/run/cdi`"
                 if self.host.simulated
                 else "generate one with `nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml`"

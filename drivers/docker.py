@@ -33,7 +33,7 @@ from drivers.container import (
     ExecOutput,
     client_cache,
 )
-from drivers.ownership import register_liveness
+from gpuhost.leases import register_liveness
 
 
 class DockerDriver(ContainerDriver):

@@ -17,7 +17,6 @@ import podman
 import podman.errors
 import requests
 
-from drivers import cdi
 from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
@@ -32,8 +31,9 @@ from drivers.container import (
     ExecOutput,
     client_cache,
 )
-from drivers.ownership import register_liveness
-from drivers.wait import wait_until
+from gpuhost import cdi
+from gpuhost.leases import register_liveness
+from gpuhost.wait import wait_until
 
 
 class PodmanDriver(ContainerDriver):

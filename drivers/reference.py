@@ -2,7 +2,7 @@
 
 Host needs: ``bwrap`` (Debian/Ubuntu package ``bubblewrap``, 0.8 or newer), ``nsenter``
 and ``setpriv`` (util-linux), and NVIDIA GPUs, real or simulated
-(``drivers.simgpu``).
+(``gpuhost.simulated``).
 
 Each sandbox's root is read-only and holds the host's system directories (``/usr``,
 ``/etc`` without its credentials, ``/opt``, ``/sys``) and nothing else of the host: a
@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
-from drivers.errors import ExecTimeout, SandboxExecError, SandboxStartError
-from drivers.gpus import GpuDevice
-from drivers.ownership import Holder, LeaseOwner, process_start_time
-from drivers.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
-from drivers.simgpu import SANDBOX_SHARE
-from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
-from drivers.wait import wait_until
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
+from gpuhost.leases import Holder, LeaseOwner, process_start_time
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.wait import wait_until
 
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
@@ -244,15 +243,13 @@ class ReferenceDriver(Driver):
             "--setenv", SESSION_ENV, self.session_id,
             "--setenv", SANDBOX_ENV, sandbox_id,
         ]  # fmt: skip
-        # The host's own GPU state (a simulated host's nodes, the lease file, which names every
-        # sandbox's GPUs) stays out of sight where a system directory would show it.
-        sim = self.host.simulated
-        self.host.leases.directory.mkdir(parents=True, exist_ok=True)
-        for state in (sim.root if sim else None, self.host.leases.directory):
-            if state is not None and _under_system_dirs(state.resolve()):
+        # The host's own GPU state stays out of sight where a system directory would show it.
+        for state in self.host.private_dirs:
+            state.mkdir(parents=True, exist_ok=True)
+            if _under_system_dirs(state.resolve()):
                 argv += ["--tmpfs", str(state.resolve())]
-        if sim is not None:
-            argv += ["--ro-bind", str(sim.share_dir), SANDBOX_SHARE]
+        for source, target in self.host.tool_mounts:
+            argv += ["--ro-bind", str(source), target]
         # The suite's own Python, which the workload lane runs inside, after the tmpfs mounts
         # (a checkout under /tmp keeps its venv there).
         for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
@@ -262,8 +259,7 @@ class ReferenceDriver(Driver):
         if gpus:
             for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:
                 argv += ["--dev-bind", node.source, node.path]
-        if sim is None:
-            argv += _real_gpu_masks(self.host.gpus, gpus)
+        argv += _real_gpu_masks(self.host.gpus, gpus)
         return [*argv, "--remount-ro", "/"]
 
     def root_argv(self) -> list[str]:
@@ -287,7 +283,7 @@ class ReferenceDriver(Driver):
         return [*argv, "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        path = _BASE_PATH if self.host.simulated is None else f"{SANDBOX_SHARE}/bin:{_BASE_PATH}"
+        path = ":".join([*self.host.tool_path, _BASE_PATH])
         return {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", **extra}
 
 

@@ -13,7 +13,7 @@
 #
 # Nothing here needs a registry: the base image is a busybox rootfs imported with
 # `import`. GPUs reach containers as CDI devices; the simulated GPU host registers its CDI
-# spec with `python -m drivers.simgpu setup --cdi-dir /var/run/cdi`.
+# spec with `python -m gpuhost.simulated setup --cdi-dir /var/run/cdi`.
 set -euo pipefail
 
 STATE=${GPU_SANDBOX_ENGINES_STATE:-/run/gpu-sandbox-engines}

@@ -12,13 +12,13 @@ import os
 from collections.abc import Sequence
 from typing import ClassVar
 
-from drivers import cdi
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
-from drivers.gpus import GpuDevice
-from drivers.ownership import Holder
 from drivers.podman import PodmanDriver
-from drivers.spec import GpuPlan
+from gpuhost import cdi
+from gpuhost.devices import GpuDevice
+from gpuhost.leases import Holder
+from gpuhost.spec import GpuPlan
 
 
 class BrokenContainerDriver(ContainerDriver):

@@ -21,17 +21,17 @@ from typing import ClassVar
 
 from drivers import reference
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult
-from drivers.errors import (
+from drivers.reference import ReferenceDriver, ReferenceSandbox
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import (
     DuplicateGpuDevice,
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
 )
-from drivers.gpus import GpuDevice
-from drivers.host import GpuHost
-from drivers.ownership import Holder, Lease, LeaseOwner, LeaseRegistry
-from drivers.reference import ReferenceDriver, ReferenceSandbox
-from drivers.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.host import GpuHost
+from gpuhost.leases import Holder, Lease, LeaseOwner, LeaseRegistry
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
 
 
 class BrokenDriver(ReferenceDriver):

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from drivers import simgpu
+from gpuhost import simulated
 
 pytest_plugins = ["pytester"]
 
 
 @pytest.fixture
-def sim_host(tmp_path: Path) -> Iterator[simgpu.SimulatedHost]:
+def sim_host(tmp_path: Path) -> Iterator[simulated.SimulatedHost]:
     """A fresh 8-GPU simulated host of this test's own."""
-    host = simgpu.setup(tmp_path / "sim", 8)
+    host = simulated.setup(tmp_path / "sim", 8)
     yield host
-    simgpu.teardown(host.root)
+    simulated.teardown(host.root)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult
 from drivers.reference import ReferenceDriver, ReferenceSandbox
-from drivers.spec import SandboxSpec
+from gpuhost.spec import SandboxSpec
 
 
 class UnavailableDriver(ReferenceDriver):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from drivers import cdi, simgpu
-from drivers.gpus import DeviceNode, GpuDevice
+from gpuhost import cdi, simulated
+from gpuhost.devices import DeviceNode, GpuDevice
 
 DATA = Path(__file__).parent / "data" / "cdi"
 T4_SPEC = DATA / "cdi-spec.nvidia-ctk.T4-g4dn.xlarge.570.133.20.yaml"
@@ -44,8 +44,8 @@ def test_control_nodes_are_not_gpus(tmp_path: Path) -> None:
 def test_another_simulated_hosts_spec_does_not_name_our_gpus(tmp_path: Path) -> None:
     """Equal minors are not enough: the nodes must be this host's own."""
     registered = tmp_path / "cdi"
-    ours = simgpu.setup(tmp_path / "ours", 2)
-    theirs = simgpu.setup(tmp_path / "theirs", 2, cdi_dir=registered)
+    ours = simulated.setup(tmp_path / "ours", 2)
+    theirs = simulated.setup(tmp_path / "theirs", 2, cdi_dir=registered)
     # Even read under our kind: the names are another host's.
     spec = yaml.safe_load(theirs.cdi_spec.read_text())
     (registered / "theirs-as-ours.yaml").write_text(yaml.safe_dump({**spec, "kind": ours.cdi_kind}))
@@ -60,8 +60,8 @@ def test_another_simulated_hosts_spec_does_not_name_our_gpus(tmp_path: Path) -> 
 def test_simulated_hosts_registered_at_once_keep_their_names_apart(tmp_path: Path) -> None:
     """Each host has a kind of its own: both resolve "=0" to their own GPU 0 (concurrent runs)."""
     registered = tmp_path / "cdi"
-    first = simgpu.setup(tmp_path / "first", 2, cdi_dir=registered)
-    second = simgpu.setup(tmp_path / "second", 2, cdi_dir=registered)
+    first = simulated.setup(tmp_path / "first", 2, cdi_dir=registered)
+    second = simulated.setup(tmp_path / "second", 2, cdi_dir=registered)
     assert first.cdi_kind != second.cdi_kind
     for host in (first, second):
         registry = cdi.load([registered], host.cdi_kind)
@@ -88,18 +88,18 @@ def test_a_later_directory_overrides_and_unreadable_specs_are_reported(tmp_path:
 
 def test_teardown_unregisters_only_its_own_spec(tmp_path: Path) -> None:
     registered = tmp_path / "cdi"
-    first = simgpu.setup(tmp_path / "first", 1, cdi_dir=registered)
-    second = simgpu.setup(tmp_path / "second", 1, cdi_dir=registered)
-    simgpu.teardown(first.root)
+    first = simulated.setup(tmp_path / "first", 1, cdi_dir=registered)
+    second = simulated.setup(tmp_path / "second", 1, cdi_dir=registered)
+    simulated.teardown(first.root)
     assert [cdi.load([registered], second.cdi_kind).names_of(g) for g in second.gpus] != [()]
     assert len(list(registered.iterdir())) == 1
-    simgpu.teardown(second.root)
+    simulated.teardown(second.root)
     assert list(registered.iterdir()) == []
 
 
 def test_setup_prunes_registrations_of_hosts_that_are_gone(tmp_path: Path) -> None:
     registered = tmp_path / "cdi"
-    crashed = simgpu.setup(tmp_path / "crashed", 1, cdi_dir=registered)
+    crashed = simulated.setup(tmp_path / "crashed", 1, cdi_dir=registered)
     shutil.rmtree(crashed.root)  # a run killed before its teardown
-    alive = simgpu.setup(tmp_path / "alive", 1, cdi_dir=registered)
+    alive = simulated.setup(tmp_path / "alive", 1, cdi_dir=registered)
     assert [p.read_text() for p in registered.iterdir()] == [alive.cdi_spec.read_text()]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from drivers import discovery
-from drivers.discovery import (
+from gpuhost import discovery
+from gpuhost.devices import NVIDIA_MAJOR, DeviceNode, GpuDevice
+from gpuhost.discovery import (
     GPU_PCI_CLASSES,
     QUERY_FIELDS,
     DiscoveryError,
@@ -30,7 +31,6 @@ from drivers.discovery import (
     parse_query_csv,
     pci_gpus,
 )
-from drivers.gpus import NVIDIA_MAJOR, DeviceNode, GpuDevice
 
 DATA = Path(__file__).parent / "data" / "discovery"
 DGX_H100_BUSES = [f"0000:{bus}:00.0" for bus in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from drivers import simgpu
+from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
 from drivers.container import LIVENESS_TIMEOUT_S, SESSION_LABEL, ContainerDriver
 from drivers.docker import DockerDriver
-from drivers.errors import GpusExhausted, UnknownGpuDevice, UnknownImage
-from drivers.host import GpuHost, HostConfig
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
-from drivers.spec import SandboxSpec
-from drivers.testing import assert_all_gpus_grantable, uuids, visible_gpu_uuids
-from drivers.wait import wait_until
+from gpuhost import simulated
+from gpuhost.errors import GpusExhausted, UnknownGpuDevice, UnknownImage
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_until
 from tests import broken_containers
 from tests.test_planted import ROOT, golden_ids, run_catalogue
 
@@ -42,7 +42,7 @@ ENGINES: tuple[type[ContainerDriver], ...] = (DockerDriver, PodmanDriver)
 @pytest.fixture(scope="module")
 def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
     """An 8-GPU simulated host registered with both engines, which must be running."""
-    sim = simgpu.setup(tmp_path_factory.mktemp("engines") / "sim", 8, cdi_dir=CDI_DIR)
+    sim = simulated.setup(tmp_path_factory.mktemp("engines") / "sim", 8, cdi_dir=CDI_DIR)
     try:
         host = GpuHost.open(HostConfig(sim.root))
         for engine in ENGINES:
@@ -50,7 +50,7 @@ def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
             assert availability.ok, f"{engine.name} cannot run: {availability.reason}"
         yield host
     finally:
-        simgpu.teardown(sim.root)
+        simulated.teardown(sim.root)
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])

@@ -12,12 +12,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from drivers.errors import GpuBusy
-from drivers.gpus import GpuDevice
-from drivers.ownership import Holder, LeaseOwner, LeaseRegistry, boot_id
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuBusy
+from gpuhost.leases import Holder, LeaseOwner, LeaseRegistry, boot_id
 
 ROOT = Path(__file__).parent.parent
-CLIENT = ROOT / "scripts" / "gpu-lease"
+CLIENT = ROOT / "gpuhost" / "gpu-lease"
 SCHEMA = json.loads((ROOT / "docs" / "lease-file.schema.json").read_text())
 INVENTORY = tuple(
     GpuDevice(i, f"GPU-{i:08d}-aaaa-bbbb-cccc-000000000000", "GPU", f"0000:{0x18 + i:02x}:00.0")

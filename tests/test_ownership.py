@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from drivers import ownership
-from drivers.errors import GpuBusy, GpusExhausted
-from drivers.gpus import GpuDevice
-from drivers.ownership import (
+from gpuhost import leases as ownership
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuBusy, GpusExhausted
+from gpuhost.leases import (
     EXCLUSIVE,
     Holder,
     Lease,
@@ -463,7 +463,7 @@ def test_a_fresh_process_finds_a_drivers_check_by_its_entry_point() -> None:
     """No import of the docker driver: the registry finds its check by entry point."""
     code = (
         "import sys\n"
-        "from drivers.ownership import liveness_check\n"
+        "from gpuhost.leases import liveness_check\n"
         "assert 'drivers.docker' not in sys.modules\n"
         "print(liveness_check('docker').__qualname__)\n"
     )

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conformance import requirements
-from drivers import simgpu
+from gpuhost import simulated
 from tests import broken_containers
 from tests.broken_drivers import ALL, BrokenDriver
 from workloads.manifest import REQUIREMENT_PREFIX
@@ -37,7 +37,7 @@ def run_catalogue(
 
     The host is a fresh simulated one of ``gpus`` GPUs, unless ``sim_root`` names one.
     """
-    root = sim_root or simgpu.setup(tmp_path / "sim", gpus).root
+    root = sim_root or simulated.setup(tmp_path / "sim", gpus).root
     report = tmp_path / "conformance.json"
     run = pytester.runpytest_subprocess(
         str(ROOT / "conformance"),

@@ -8,7 +8,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from drivers import simgpu
+from gpuhost import simulated
 
 ROOT = Path(__file__).parent.parent
 
@@ -43,7 +43,7 @@ def test_non_driver_import_path_is_a_usage_error(pytester: pytest.Pytester) -> N
 def test_explicit_driver_that_cannot_run_fails_the_run(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     result = run(
         pytester, "--driver=tests.fake_drivers:UnavailableDriver", f"--sim-root={host.root}"
     )
@@ -79,7 +79,7 @@ def test_default_driver_that_cannot_run_is_skipped_and_the_run_fails(
 def test_report_header_says_the_gpus_are_simulated(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     result = run(pytester, f"--sim-root={host.root}", "-k", "no_gpu_request")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
@@ -95,11 +95,11 @@ def test_report_header_says_the_gpus_are_simulated(
 def test_reap_option_removes_a_sessions_sandboxes(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    from drivers.host import GpuHost, HostConfig
     from drivers.reference import ReferenceDriver
-    from drivers.spec import SandboxSpec
+    from gpuhost.host import GpuHost, HostConfig
+    from gpuhost.spec import SandboxSpec
 
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=host.root)), "left-behind")
     sandbox = driver.create(SandboxSpec.with_gpus(2))
     assert driver.sandboxes("left-behind") == [sandbox.id]
@@ -114,7 +114,7 @@ def test_reap_option_removes_a_sessions_sandboxes(
 def test_reports_carry_requirement_driver_and_gpus(
     pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     out = tmp_path / "reports"
     step_summary = tmp_path / "step-summary.md"
     step_summary.write_text("earlier step\n")
@@ -182,7 +182,7 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
             requirements.load = lambda: profile
         """
     )
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     result = run(
         pytester,
         "-p",
@@ -207,7 +207,7 @@ def test_a_hanging_driver_fails_its_requirement_by_name_and_the_report_is_writte
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """The per-test bound (pytest-timeout, signal) interrupts the test, not the run."""
-    host = simgpu.setup(tmp_path / "sim", 2)
+    host = simulated.setup(tmp_path / "sim", 2)
     report = tmp_path / "conformance.json"
     result = run(
         pytester,

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from drivers import simgpu
-from drivers.errors import SandboxExecError, SandboxStartError
-from drivers.gpus import DeviceNode, GpuDevice
-from drivers.host import GpuHost, HostConfig
 from drivers.reference import ReferenceDriver, ReferenceSandbox
-from drivers.spec import SandboxSpec
+from gpuhost import simulated
+from gpuhost.devices import DeviceNode, GpuDevice
+from gpuhost.errors import SandboxExecError, SandboxStartError
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.spec import SandboxSpec
 
 
 @pytest.fixture
-def reference(sim_host: simgpu.SimulatedHost) -> Iterator[ReferenceDriver]:
+def reference(sim_host: simulated.SimulatedHost) -> Iterator[ReferenceDriver]:
     # A session of this test's own: under xdist another worker reaps its own concurrently.
     session = f"reference-self-test-{uuid.uuid4().hex[:8]}"
     driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=sim_host.root)), session)
@@ -82,7 +82,7 @@ def test_a_sandbox_outlives_the_thread_that_created_it(reference: ReferenceDrive
 
 @pytest.mark.parametrize("parent", ["/var/tmp", "/opt"], ids=["outside", "in-a-system-dir"])
 def test_host_state_is_hidden_from_the_sandbox(
-    reference: ReferenceDriver, sim_host: simgpu.SimulatedHost, parent: str
+    reference: ReferenceDriver, sim_host: simulated.SimulatedHost, parent: str
 ) -> None:
     """The lease registry is never visible, even where it lives in a directory that is."""
     state = Path(parent) / f"gpu-state-{id(reference)}"
@@ -93,7 +93,7 @@ def test_host_state_is_hidden_from_the_sandbox(
             assert (state / "leases.json").exists()
             listing = sandbox.exec(["sh", "-c", f"ls -A {state} 2>/dev/null; true"]).stdout
             assert listing == "", f"the lease registry is visible inside: {listing!r}"
-            share = sandbox.exec(["ls", simgpu.SANDBOX_SHARE]).check().stdout.split()
+            share = sandbox.exec(["ls", simulated.SANDBOX_SHARE]).check().stdout.split()
             assert sorted(share) == ["bin", "inventory.tsv"]
     finally:
         for leftover in state.iterdir():

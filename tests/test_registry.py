@@ -86,9 +86,13 @@ def test_unknown_driver_is_a_lookup_error() -> None:
 @pytest.mark.parametrize(
     ("target", "shown"),
     [
-        pytest.param("drivers.gpus:GpuDevice", "not a drivers.base.Driver subclass", id="a-class"),
-        pytest.param("drivers.spec:parse_spec", "not a drivers.base.Driver subclass", id="a-func"),
-        pytest.param("drivers.simgpu:DEFAULT_COUNT", "not a drivers.base.Driver", id="a-constant"),
+        pytest.param(
+            "gpuhost.devices:GpuDevice", "not a drivers.base.Driver subclass", id="a-class"
+        ),
+        pytest.param("gpuhost.spec:parse_spec", "not a drivers.base.Driver subclass", id="a-func"),
+        pytest.param(
+            "gpuhost.simulated:DEFAULT_COUNT", "not a drivers.base.Driver", id="a-constant"
+        ),
         pytest.param("drivers.reference:NoSuchDriver", "not a drivers.base.Driver", id="missing"),
         pytest.param(
             "drivers.reference:ReferenceDriver:extra", "not a drivers.base.Driver", id="two-colons"

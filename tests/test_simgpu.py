@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drivers.gpus import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
-from drivers.simgpu import (
+from gpuhost.devices import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
+from gpuhost.simulated import (
     DGX_BUSES,
     MEMORY_MIB,
     MODEL,
@@ -31,7 +31,7 @@ from drivers.simgpu import (
     setup,
     teardown,
 )
-from drivers.simgpu.__main__ import main
+from gpuhost.simulated.__main__ import main
 
 BWRAP = shutil.which("bwrap")
 BUSYBOX = Path("/bin/busybox")
@@ -616,7 +616,7 @@ def test_runs_under_busybox_sh_and_awk(host: SimulatedHost, busybox_bin: Path) -
     assert nothing.returncode == NO_DEVICES
 
 
-# -- python -m drivers.simgpu -------------------------------------------------------------
+# -- python -m gpuhost.simulated -------------------------------------------------------------
 
 
 def test_cli_setup_show_teardown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -683,7 +683,7 @@ def test_cli_as_a_module(tmp_path: Path) -> None:
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "drivers.simgpu", *args, "--root", str(root)],
+            [sys.executable, "-m", "gpuhost.simulated", *args, "--root", str(root)],
             capture_output=True,
             text=True,
             check=False,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from drivers.errors import (
+from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
     GpuDevicesWithoutRequest,
@@ -23,7 +23,7 @@ from drivers.errors import (
     InvalidGpuRequest,
     UnsupportedGpuRequest,
 )
-from drivers.spec import (
+from gpuhost.spec import (
     DEFAULT_GPU_COUNT,
     DriverCapabilities,
     GpuPlan,

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from drivers.wait import Progress, wait_until
+from gpuhost.wait import Progress, wait_until
 
 
 class FakeClock:
@@ -50,7 +50,7 @@ def test_wait_until_returns_the_first_success_quietly(capsys: pytest.CaptureFixt
 def test_wait_until_reports_a_long_wait_and_gives_up_with_the_last_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("drivers.wait.Progress", functools.partial(Progress, after_s=0.0))
+    monkeypatch.setattr("gpuhost.wait.Progress", functools.partial(Progress, after_s=0.0))
 
     def never() -> None:
         raise ConnectionRefusedError("connection refused")

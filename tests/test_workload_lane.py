@@ -8,17 +8,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drivers import simgpu
-from drivers.host import GpuHost, HostConfig
 from drivers.reference import ReferenceDriver
-from drivers.spec import SandboxSpec
+from gpuhost import simulated
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.spec import SandboxSpec
 from workloads.harness import PASS, run_in_sandbox
 from workloads.manifest import MANIFEST, load_manifest
 
 ROOT = Path(__file__).parent.parent
 
 
-def run_lane(pytester: pytest.Pytester, sim: simgpu.SimulatedHost, *args: str) -> pytest.RunResult:
+def run_lane(
+    pytester: pytest.Pytester, sim: simulated.SimulatedHost, *args: str
+) -> pytest.RunResult:
     return pytester.runpytest_subprocess(
         str(ROOT / "workloads"),
         f"--rootdir={ROOT}",
@@ -34,7 +36,7 @@ def run_lane(pytester: pytest.Pytester, sim: simgpu.SimulatedHost, *args: str) -
 
 
 def test_a_payload_runs_in_cpu_mode_inside_a_reference_sandbox(
-    sim_host: simgpu.SimulatedHost,
+    sim_host: simulated.SimulatedHost,
 ) -> None:
     driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=sim_host.root)), "payload-test")
     if not driver.probe().ok:
@@ -50,7 +52,7 @@ def test_a_payload_runs_in_cpu_mode_inside_a_reference_sandbox(
 
 
 def test_on_simulated_gpus_the_gpu_workloads_skip_and_the_controls_run(
-    pytester: pytest.Pytester, sim_host: simgpu.SimulatedHost
+    pytester: pytest.Pytester, sim_host: simulated.SimulatedHost
 ) -> None:
     result = run_lane(pytester, sim_host)
     workloads = load_manifest(MANIFEST)
@@ -69,14 +71,14 @@ def test_on_simulated_gpus_the_gpu_workloads_skip_and_the_controls_run(
 
 
 def test_the_cpu_self_check_runs_every_payload_through_the_sandbox(
-    pytester: pytest.Pytester, sim_host: simgpu.SimulatedHost
+    pytester: pytest.Pytester, sim_host: simulated.SimulatedHost
 ) -> None:
     result = run_lane(pytester, sim_host, "--workload-cpu")
     result.assert_outcomes(passed=len(load_manifest(MANIFEST)))
 
 
 def test_a_control_expected_to_pass_fails_the_run(
-    pytester: pytest.Pytester, sim_host: simgpu.SimulatedHost, tmp_path: Path
+    pytester: pytest.Pytester, sim_host: simulated.SimulatedHost, tmp_path: Path
 ) -> None:
     """The lane can fail: told the control should pass, it reports the control's failure."""
     document = yaml.safe_load(MANIFEST.read_text())
@@ -95,7 +97,7 @@ def test_a_control_expected_to_pass_fails_the_run(
 
 
 def test_a_bad_manifest_fails_the_collection_naming_field_and_value(
-    pytester: pytest.Pytester, sim_host: simgpu.SimulatedHost, tmp_path: Path
+    pytester: pytest.Pytester, sim_host: simulated.SimulatedHost, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "manifest.yaml"
     manifest.write_text("workloads:\n  - {name: x, requirement: WORKLOAD-CUDA-01, gpus: 1}\n")

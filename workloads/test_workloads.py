@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SandboxFactory, Settings
+from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
-from drivers.spec import SandboxSpec
+from gpuhost.spec import SandboxSpec
 from workloads.harness import NOT_RUN, run_in_sandbox
 from workloads.manifest import Workload
 

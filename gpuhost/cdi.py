@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from drivers.gpus import CDI_KIND, NVIDIA_MAJOR, GpuDevice
+from gpuhost.devices import CDI_KIND, NVIDIA_MAJOR, GpuDevice
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 """Where CDI-enabled engines look unless configured otherwise (podman, dockerd, containerd)."""

@@ -1,4 +1,4 @@
-"""``python -m drivers.hold``: create one sandbox in a process of its own and hold it.
+"""``python -m conformance.hold``: create one sandbox in a process of its own and hold it.
 
 The conformance suite uses it to contend for GPUs from separate processes, to kill a
 sandbox's creator, and (``--reap``) to reap a session from a fresh process. Protocol, one
@@ -20,19 +20,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from conformance.observe import visible_gpu_uuids
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
-from drivers.errors import DriverError
-from drivers.host import GpuHost, HostConfig
-from drivers.spec import SandboxSpec, parse_spec
-from drivers.testing import visible_gpu_uuids
+from gpuhost.errors import DriverError
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.spec import SandboxSpec, parse_spec
 
 REPLY_TIMEOUT_S = 60.0
 """A holder imports the driver and creates one sandbox; a minute means it is stuck."""
 
 
 class HeldSandbox:
-    """The parent's side of ``python -m drivers.hold``: one sandbox in another process."""
+    """The parent's side of ``python -m conformance.hold``: one sandbox in another process."""
 
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self.process = process
@@ -41,7 +41,7 @@ class HeldSandbox:
     def start(cls, driver: Driver, host: HostConfig, spec: SandboxSpec) -> HeldSandbox:
         """Start a holder process; it creates its sandbox once told to ``go``."""
         argv = [
-            sys.executable, "-m", "drivers.hold",
+            sys.executable, "-m", "conformance.hold",
             f"--driver={_name(driver)}", f"--session={driver.session_id}",
             f"--spec={json.dumps(spec.to_dict())}", *host.as_args(),
         ]  # fmt: skip
@@ -112,7 +112,7 @@ class HeldSandbox:
 def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str) -> list[str]:
     """What ``reap`` of ``session_id`` removes when run in a process that created nothing."""
     argv = [
-        sys.executable, "-m", "drivers.hold", f"--driver={_name(driver)}",
+        sys.executable, "-m", "conformance.hold", f"--driver={_name(driver)}",
         f"--session={session_id}", "--reap", "--spec={}", *host.as_args(),
     ]  # fmt: skip
     if driver.image:
@@ -137,7 +137,7 @@ def _env() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m drivers.hold", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m conformance.hold", description=__doc__)
     parser.add_argument("--driver", required=True)
     parser.add_argument("--session", required=True)
     parser.add_argument("--spec", required=True, help="the sandbox spec as JSON")

@@ -7,10 +7,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from drivers.gpus import DeviceNode, GpuDevice
-from drivers.ownership import LeaseRegistry
-from drivers.simgpu import SimulatedHost
-from drivers.simgpu import load as load_simulated
+from gpuhost.devices import DeviceNode, GpuDevice
+from gpuhost.leases import LeaseRegistry
+from gpuhost.simulated import SANDBOX_SHARE, SimulatedHost
+from gpuhost.simulated import load as load_simulated
 
 DEFAULT_STATE_DIR = Path("/run/gpu-sandbox")
 STATE_DIR_ENV = "GPU_SANDBOX_STATE_DIR"
@@ -56,7 +56,7 @@ class GpuHost:
                 leases=LeaseRegistry(config.state_dir or sim.lease_dir),
                 simulated=sim,
             )
-        from drivers.discovery import discover_nvidia
+        from gpuhost.discovery import discover_nvidia
 
         return cls(
             config=config,
@@ -64,6 +64,28 @@ class GpuHost:
             control_nodes=_real_control_nodes(),
             leases=LeaseRegistry(config.state_directory() / "leases"),
         )
+
+    @property
+    def tool_mounts(self) -> tuple[tuple[Path, str], ...]:
+        """Read-only binds (host path, sandbox path) a sandbox needs for the GPUs' tools.
+
+        A simulated host's nvidia-smi; nothing on a real host, whose tools are in /usr.
+        """
+        return ((self.simulated.share_dir, SANDBOX_SHARE),) if self.simulated else ()
+
+    @property
+    def tool_path(self) -> tuple[str, ...]:
+        """Directories to put first on PATH inside a sandbox for those tools."""
+        return (f"{SANDBOX_SHARE}/bin",) if self.simulated else ()
+
+    @property
+    def private_dirs(self) -> tuple[Path, ...]:
+        """The host's own GPU state, which no sandbox may see.
+
+        The lease registry (it names every sandbox's GPUs) and a simulated host's nodes.
+        """
+        dirs = (self.leases.directory,)
+        return (*dirs, self.simulated.root) if self.simulated else dirs
 
     def describe(self) -> str:
         if not self.gpus:

@@ -1,7 +1,7 @@
-"""The workload lane's options and fixtures; the root plugin (drivers, sandboxes) applies too.
+"""The workload lane's options and fixtures, beside conformance.plugin (drivers, sandboxes).
 
 Each workload of the manifest becomes one test per driver, carrying the workload's
-requirement and GPU count as markers, so that the root plugin reports and skips it as it
+requirement and GPU count as markers, so that conformance.plugin reports and skips it as it
 does the conformance tests.
 """
 
@@ -17,6 +17,7 @@ from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from workloads.manifest import MANIFEST, Workload, load_manifest
 
+LANE_MODULE = "workloads.test_workloads"
 _manifest_key = pytest.StashKey[tuple[Workload, ...]]()
 
 
@@ -55,7 +56,8 @@ def manifest(config: pytest.Config) -> tuple[Workload, ...]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "workload" not in metafunc.fixturenames:
+    # Only the lane's own tests: others may name a parameter "workload" too.
+    if "workload" not in metafunc.fixturenames or metafunc.module.__name__ != LANE_MODULE:
         return
     params = []
     for workload in manifest(metafunc.config):

@@ -1,4 +1,4 @@
-"""``python -m drivers.simgpu setup|teardown|show``: manage a simulated GPU host."""
+"""``python -m gpuhost.simulated setup|teardown|show``: manage a simulated GPU host."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from drivers.simgpu import DEFAULT_COUNT, DEFAULT_ROOT, SimulatedHostError, load, setup, teardown
+from gpuhost.simulated import DEFAULT_COUNT, DEFAULT_ROOT, SimulatedHostError, load, setup, teardown
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m drivers.simgpu", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpuhost.simulated", description=__doc__)
     parser.add_argument("action", choices=("setup", "teardown", "show"))
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="state directory")
     parser.add_argument("--count", type=int, default=DEFAULT_COUNT, help="GPUs to simulate")

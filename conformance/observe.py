@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drivers.base import Driver, Sandbox
-from drivers.errors import GpuAllocationError
-from drivers.gpus import NVIDIA_MAJOR
-from drivers.spec import SandboxSpec
+from gpuhost.devices import NVIDIA_MAJOR
+from gpuhost.errors import GpuAllocationError
+from gpuhost.spec import SandboxSpec
 
 NVIDIA_SMI_NO_DEVICES = 6
 """nvidia-smi's exit code when it finds no GPU (NVML_ERROR_NOT_FOUND)."""

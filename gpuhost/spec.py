@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from drivers.errors import (
+from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
     GpuDevicesWithoutRequest,

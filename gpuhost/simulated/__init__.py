@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from drivers.gpus import (
+from gpuhost.devices import (
     NVIDIA_MAJOR,
     NVIDIACTL_MINOR,
     DeviceNode,
@@ -117,7 +117,7 @@ def setup(
     bindir = root / "share" / "bin"
     dev.mkdir(parents=True)
     bindir.mkdir(parents=True)
-    (root / _MARKER).write_text("created by drivers.simgpu; remove with `teardown`\n")
+    (root / _MARKER).write_text("created by gpuhost.simulated; remove with `teardown`\n")
 
     rows = []
     for position in range(count):
@@ -158,7 +158,7 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
     if not (root / _MARKER).is_file():
         raise SimulatedHostError(
             f"{root} is not a simulated GPU host (no {_MARKER} marker); "
-            f"create one with `python -m drivers.simgpu setup --root {root}`"
+            f"create one with `python -m gpuhost.simulated setup --root {root}`"
         )
     kind = (root / "cdi" / "kind").read_text().strip()
     gpus: list[GpuDevice] = []

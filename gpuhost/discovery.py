@@ -1,4 +1,4 @@
-"""Host GPU discovery: every source produces :class:`drivers.gpus.GpuDevice`.
+"""Host GPU discovery: every source produces :class:`gpuhost.devices.GpuDevice`.
 
 NVIDIA GPUs come from NVML (``from_nvml``) or ``nvidia-smi`` (``from_nvidia_smi``), and
 ``discover_nvidia`` tries them in that order. GPUs of any vendor come from the PCI bus
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from drivers.gpus import (
+from gpuhost.devices import (
     NVIDIA_MAJOR,
     DeviceNode,
     GpuDevice,
@@ -519,7 +519,7 @@ def discover_nvidia(
     )
 
 
-# --- python -m drivers.discovery -----------------------------------------------------------
+# --- python -m gpuhost.discovery -----------------------------------------------------------
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Host-wide GPU ownership: one lease registry per host, shared by every local driver.
 
 The protocol (docs/lease-protocol.md, docs/lease-file.schema.json) is small enough for a
-client in any language (scripts/gpu-lease is one in POSIX sh with flock(1) and jq):
+client in any language (gpuhost/gpu-lease is one in POSIX sh with flock(1) and jq):
 
 - the registry is a directory holding ``leases.json``, locked with ``flock(LOCK_EX)`` on the
   file itself around every read-modify-write; it holds ``{"version": 2, "boot_id": ...,
@@ -42,8 +42,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from drivers.errors import GpuAllocationError, GpuBusy, GpusExhausted
-from drivers.gpus import GpuDevice
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
 
 EXCLUSIVE = "exclusive"
 FORMAT_VERSION = 2
