@@ -43,6 +43,13 @@ def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
     return [line.strip() for line in result.stdout.splitlines() if line.strip()]
 
 
+def describe_gpus(sandbox: Sandbox) -> str:
+    """What a sandbox shows of its GPUs, for a failure message: its NVIDIA nodes, nvidia-smi."""
+    script = "ls -l /dev/nvidia* 2>&1; nvidia-smi -L 2>&1; echo \"nvidia-smi exit $?\""
+    result = sandbox.exec(["sh", "-c", script])
+    return f"{result.stdout.strip()!r} (exit {result.returncode}, stderr {result.stderr.strip()!r})"
+
+
 @dataclass(frozen=True)
 class NodeSeen:
     path: str

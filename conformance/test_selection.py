@@ -8,7 +8,7 @@ import pytest
 
 from conformance import requirements
 from conformance.hold import HeldSandbox
-from conformance.observe import uuids, visible_gpu_uuids
+from conformance.observe import describe_gpus, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
@@ -77,7 +77,10 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
     def one(gpu: GpuDevice, device_id: str) -> None:
         with sandboxes(_exact(driver, [device_id])) as sandbox:
             assert uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r} ({gpu.uuid})"
-            assert visible_gpu_uuids(sandbox) == [gpu.uuid], f"asked for {device_id!r}"
+            seen = visible_gpu_uuids(sandbox)
+            assert seen == [gpu.uuid], (
+                f"asked for {device_id!r}, the sandbox sees {seen}: {describe_gpus(sandbox)}"
+            )
 
     # Form by form, every GPU at once: sandboxes of exact IDs held side by side.
     forms = max(len(driver.device_ids(gpu)) for gpu in inventory)

@@ -1,19 +1,32 @@
 """The driver contract every sandbox driver implements, built-in or out of tree.
 
-The flow is one-directional: spec → validate → allocate → inject → observe.
+The flow is one-directional: spec → plan → allocate → start (inject) → observe, and
+``Driver.create`` owns it, so that a driver implements only what is its own:
 
-- ``Driver.validate(spec)`` turns a ``SandboxSpec`` into a ``GpuPlan`` or raises a typed
-  error, before anything is allocated;
-- ``Driver.create(spec)`` allocates GPUs (from the host-wide lease registry for local
-  drivers), injects them into a new sandbox and returns a running ``Sandbox``;
-- ``Sandbox.exec`` observes from inside; ``Sandbox.gpus`` is what the driver says it gave.
+1. ``plan(spec)``: every check of the request, in the documented order, and the exact
+   IDs resolved to GPUs; a typed error, and nothing taken, when any fails;
+2. ``allocate``: the GPUs leased from the host-wide registry, held by this process;
+3. ``start(launch)``: the one thing each driver does differently, returning a running
+   ``Sandbox`` that holds exactly the launch's GPUs;
+4. the leases handed over to what now embodies the sandbox (``Sandbox.holder``), unless
+   ``start`` already did (a container holds them before it runs: ``launch.hand_over``);
+5. on any failure, the leases released (``abandon``), and the error raised.
+
+``Sandbox.exec`` observes from inside; ``Sandbox.gpus`` is what the driver says it gave.
+A driver whose lease holders are not processes (a container, a VM managed by a daemon)
+names their kind in ``holder_kind`` and judges them in ``holder_alive``: the contract
+registers the check with the lease registry.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shlex
+import threading
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar
@@ -21,6 +34,7 @@ from typing import ClassVar
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice
 from gpuhost.host import GpuHost
+from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
 from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
 
 DEFAULT_EXEC_TIMEOUT_S = 120.0
@@ -56,13 +70,25 @@ class ExecResult:
 class Sandbox(ABC):
     """A running sandbox; a context manager that closes it.
 
-    ``gpus`` are the GPUs the driver says it assigned, in host PCI order.
+    ``gpus`` are the GPUs the driver says it assigned, in host PCI order; ``holder`` is what
+    keeps their leases alive while the sandbox lives (its process, its container).
     """
 
-    def __init__(self, sandbox_id: str, driver: str, gpus: tuple[GpuDevice, ...]) -> None:
+    def __init__(
+        self,
+        sandbox_id: str,
+        driver: str,
+        gpus: tuple[GpuDevice, ...],
+        holder: Holder,
+        leases: LeaseRegistry | None,
+    ) -> None:
         self.id = sandbox_id
         self.driver = driver
         self.gpus = gpus
+        self.holder = holder
+        self.closed = False
+        self._leases = leases
+        self._close_lock = threading.Lock()
 
     @abstractmethod
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
@@ -72,9 +98,27 @@ class Sandbox(ABC):
         outlives ``timeout`` (it is killed), ``SandboxExecError`` when it cannot be run.
         """
 
-    @abstractmethod
     def close(self) -> None:
-        """Stop the sandbox and release its GPUs; calling it again does nothing."""
+        """Stop the sandbox and release its GPUs; calling it again does nothing.
+
+        When ``stop`` raises, the sandbox may still hold its GPUs: the leases stay, and
+        ``close`` may be called again.
+        """
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self.stop()
+        except BaseException:
+            self.closed = False
+            raise
+        if self._leases is not None:
+            self._leases.release(self.id)
+
+    @abstractmethod
+    def stop(self) -> None:
+        """End the sandbox and everything in it; return once it is gone."""
 
     @abstractmethod
     def kill(self) -> None:
@@ -99,6 +143,23 @@ class Sandbox(ABC):
         return f"<{type(self).__name__} {self.id} of {self.driver} with {gpus}>"
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What ``Driver.start`` gets: everything decided before the sandbox exists."""
+
+    sandbox_id: str
+    spec: SandboxSpec
+    plan: GpuPlan | None
+    gpus: tuple[GpuDevice, ...]
+    hand_over: Callable[[Holder], None]
+    """Give the sandbox's leases to ``holder`` now: for a sandbox that must hold them before
+    it runs. Otherwise ``create`` hands them to ``Sandbox.holder`` once it has started."""
+
+    @property
+    def env(self) -> Mapping[str, str]:
+        return self.spec.env
+
+
 class Driver(ABC):
     """A way to create GPU sandboxes. Subclasses set ``name`` and implement the abstracts.
 
@@ -111,6 +172,16 @@ class Driver(ABC):
     """How much longer than a successful create a request for more GPUs than are free may
     take to fail (GPU-EXHAUST-01). A second is plenty for a driver that decides locally; a
     driver that must ask a scheduler sets (and documents) a longer one."""
+    holder_kind: ClassVar[str] = PROCESS
+    """The kind of holder its sandboxes' leases get. Any kind but a process needs
+    ``holder_alive``, which the contract registers with the host-wide lease registry (and
+    which an entry point in ``gpu_sandbox.liveness`` makes known to every other process)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # The class that names a kind registers its check; its subclasses share it.
+        if "holder_kind" in cls.__dict__ and cls.holder_kind != PROCESS:
+            register_liveness(cls.holder_kind, cls.holder_alive)
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         self.host = host
@@ -131,8 +202,12 @@ class Driver(ABC):
         """The GPUs this driver can hand out, in PCI order."""
 
     @abstractmethod
-    def create(self, spec: SandboxSpec) -> Sandbox:
-        """Validate, allocate, start. Raises before allocating when the spec is invalid."""
+    def start(self, launch: Launch) -> Sandbox:
+        """Start a sandbox holding exactly ``launch.gpus``; it runs when this returns.
+
+        Raise ``SandboxStartError`` (or a typed request error) when it cannot start; the
+        contract releases the GPUs. Leave nothing running on the way out.
+        """
 
     @abstractmethod
     def sandboxes(self, session_id: str) -> list[str]:
@@ -146,6 +221,15 @@ class Driver(ABC):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         """The exact, driver-native IDs that name ``gpu`` in ``gpu_device_ids``."""
 
+    @classmethod
+    def holder_alive(cls, holder: Holder) -> bool:
+        """Whether a lease holder of ``holder_kind`` still lives; True when it cannot tell.
+
+        Asked by the lease registry, outside its lock, while a request waits: answer within
+        seconds. Only drivers whose holders are not processes implement it.
+        """
+        raise NotImplementedError(f"{cls.__name__} names no holder kind of its own")
+
     def version(self) -> str:
         """What the driver runs on, for reports (e.g. ``bubblewrap 0.8.0``); "" if unknown.
 
@@ -154,17 +238,56 @@ class Driver(ABC):
         """
         return ""
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
-        """Validate the GPU request against this driver; ``None`` means no GPU."""
-        return validate_gpu_request(spec, self.name, self.capabilities)
+    # -- the create sequence -----------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        """Plan, allocate, start, hand over; on any failure nothing is left taken."""
+        plan = self.plan(spec)
+        sandbox_id = uuid.uuid4().hex[:12]
+        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+        handed: list[Holder] = []
+
+        def hand_over(holder: Holder) -> None:
+            self.host.leases.set_holder(sandbox_id, holder)
+            handed.append(holder)
+
+        try:
+            sandbox = self.start(Launch(sandbox_id, spec, plan, gpus, hand_over))
+            try:
+                if gpus and not handed:
+                    hand_over(sandbox.holder)
+            except BaseException:
+                sandbox.close()
+                raise
+        except BaseException:
+            self.abandon(sandbox_id)
+            raise
+        return sandbox
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        """Every check of the request, in the documented order; ``None`` means no GPU.
+
+        The request model's rules (``validate_gpu_request``: the driver_config block, the
+        count, this driver's capabilities, IDs without a request, duplicates, the count
+        against the IDs), then the IDs resolved to this host's GPUs (unknown IDs, two IDs
+        of one GPU). Raises before anything is taken.
+        """
+        plan = validate_gpu_request(spec, self.name, self.capabilities)
+        if plan is None or not plan.device_ids:
+            return plan
+        return dataclasses.replace(plan, gpus=self.resolve(plan))
+
+    def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
+        """Every exact ID this driver takes, with the GPUs it names: each GPU's own IDs."""
+        return {device_id: (gpu,) for gpu in self.inventory() for device_id in self.device_ids(gpu)}
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """Map a plan's exact IDs to host GPUs; unknown IDs and aliases of one GPU fail."""
-        by_id = {device_id: gpu for gpu in self.inventory() for device_id in self.device_ids(gpu)}
+        """Map a plan's exact IDs to host GPUs; unknown IDs, and IDs naming one GPU twice, fail."""
+        index = self.device_index()
         chosen: dict[str, tuple[str, GpuDevice]] = {}
         for device_id in plan.device_ids:
-            gpu = by_id.get(device_id)
-            if gpu is None:
+            gpus = index.get(device_id)
+            if gpus is None:
                 raise UnknownGpuDevice(
                     plan.field,
                     device_id,
@@ -172,13 +295,27 @@ class Driver(ABC):
                     f"(the {self.name} driver accepts {self.capabilities.exact_id_forms}; "
                     f"this host has {len(self.inventory())} GPUs)",
                 )
-            if gpu.uuid in chosen:
-                first = chosen[gpu.uuid][0]
-                raise DuplicateGpuDevice(
-                    plan.field,
-                    device_id,
-                    f"{plan.field} contains duplicate device ID '{device_id}': "
-                    f"'{first}' names the same GPU ({gpu.uuid})",
-                )
-            chosen[gpu.uuid] = (device_id, gpu)
+            for gpu in gpus:
+                if gpu.uuid in chosen:
+                    first = chosen[gpu.uuid][0]
+                    raise DuplicateGpuDevice(
+                        plan.field,
+                        device_id,
+                        f"{plan.field} contains duplicate device ID '{device_id}': "
+                        f"'{first}' names the same GPU ({gpu.uuid})",
+                    )
+                chosen[gpu.uuid] = (device_id, gpu)
         return tuple(gpu for _, gpu in chosen.values())
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        """Lease the plan's GPUs from the host registry, held by this process until started."""
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=plan.gpus)
+
+    def abandon(self, sandbox_id: str) -> None:
+        """Give back a sandbox's GPUs after a failed start.
+
+        A driver whose sandbox may outlive a failed start (a container the engine still
+        has) keeps the leases with it instead, for the liveness check to free.
+        """
+        self.host.leases.release(sandbox_id)

@@ -20,27 +20,25 @@ import contextlib
 import functools
 import os
 import threading
-import uuid
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Launch, Sandbox
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, GpuDevice
 from gpuhost.errors import (
-    DuplicateGpuDevice,
     ExecTimeout,
     SandboxExecError,
     SandboxStartError,
     UnknownImage,
 )
-from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.leases import Holder, LeaseRegistry
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
-from gpuhost.wait import wait_until
+from gpuhost.spec import DriverCapabilities, GpuPlan
+from gpuhost.wait import wait_for
 
 DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
 """The base image ``make engines`` builds from a busybox rootfs (no registry needed)."""
@@ -260,96 +258,60 @@ class ContainerDriver(Driver):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         return self.cdi_registry.names_of(gpu)
 
-    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        everything = cdi.all_devices(self.cdi_kind)
-        if everything in plan.device_ids:
-            if len(plan.device_ids) > 1:
-                raise DuplicateGpuDevice(
-                    plan.field,
-                    everything,
-                    f"{plan.field} names '{everything}', which is every GPU, together with "
-                    f"other devices: {list(plan.device_ids)}",
-                )
-            return self.inventory()
-        return super().resolve(plan)
+    def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
+        """Each GPU's CDI names, and ``<kind>=all`` for every GPU at once."""
+        return {**super().device_index(), cdi.all_devices(self.cdi_kind): self.inventory()}
 
-    def create(self, spec: SandboxSpec) -> ContainerSandbox:
-        plan = self.validate(spec)
-        sandbox_id = uuid.uuid4().hex[:12]
-        gpus = () if plan is None else self.allocate(sandbox_id, plan)
-        try:
-            return ContainerSandbox(
-                self,
-                sandbox_id,
-                gpus,
-                self.cdi_devices(plan, gpus),
-                spec.image or self.image or DEFAULT_IMAGE,
-                spec.env,
-            )
-        except BaseException:
-            self.release_unless_container_left(sandbox_id)
-            raise
-
-    def release_unless_container_left(self, sandbox_id: str) -> None:
-        """Release a sandbox's leases, unless its container may still exist and hold them.
-
-        Such a lease stays with the container, and the liveness check frees it once the
-        container is gone.
-        """
-        try:
-            left = sandbox_id in self.session_containers(self.session_id)
-        except Exception:  # the engine cannot tell: never free a GPU on a guess
-            left = True
-        if not left:
-            self.host.leases.release(sandbox_id)
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """Lease the plan's GPUs, held by this process until the container holds them."""
-        exact = self.resolve(plan) if plan.device_ids else ()
-        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
-        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
-
-    def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
-        """The CDI names to inject: the user's own when exact, else each GPU's first name."""
-        if plan is not None and plan.device_ids:
-            return plan.device_ids
-        return tuple(self.device_ids(gpu)[0] for gpu in gpus)
-
-    def holder(self, container_id: str) -> Holder:
-        return Holder(self.name, f"{self.url} {container_id}")
-
-    def keepalive_dir(self) -> Path:
-        return self.host.leases.directory / "keepalive"
-
-    def sandboxes(self, session_id: str) -> list[str]:
-        return sorted(self.session_containers(session_id))
-
-    def reap(self, session_id: str) -> list[str]:
-        found = self.session_containers(session_id)
-        for container_id in found.values():
-            self.remove_container(container_id)
-
-        def all_gone() -> None:
-            if self.session_containers(session_id):
-                raise ProcessLookupError(f"containers of session {session_id} still exist")
-
-        wait_until(
-            all_gone, timeout_s=REAP_TIMEOUT_S, what="reaping", retry_on=(ProcessLookupError,)
-        )
-        released = self.host.leases.release_session(session_id, driver=self.name)
-        for fifo in self.keepalive_dir().glob(f"{session_id}.*"):
-            fifo.unlink(missing_ok=True)
-        return sorted(set(found) | {lease.sandbox_id for lease in released})
-
-    def start_container(self, request: ContainerRequest, sandbox_id: str) -> str:
-        """Create the container, hand it the sandbox's leases, start it; leave none on failure.
+    def start(self, launch: Launch) -> ContainerSandbox:
+        """Create the container, hand it the leases, start it; leave none behind on failure.
 
         The container holds the leases from before it starts: a creator dying at any point
         leaves either no container (its process's leases are reclaimed) or a container that
         holds them until it is removed, never a GPU handed out while a container has it.
+        The creator holds the keepalive FIFO's only write end, in every process that
+        creates: the container's reader sees end-of-file when the creator dies.
         """
+        keepalive = Keepalive.open(self.keepalive_dir() / f"{self.session_id}.{launch.sandbox_id}")
+        devices = self.cdi_devices(launch.plan, launch.gpus)
+        request = ContainerRequest(
+            name=f"gpu-sandbox-{launch.sandbox_id}",
+            image=launch.spec.image or self.image or DEFAULT_IMAGE,
+            command=("sh", "-c", _KEEPALIVE_SCRIPT),
+            labels={
+                SESSION_LABEL: self.session_id,
+                SANDBOX_LABEL: launch.sandbox_id,
+                DRIVER_LABEL: self.name,
+                DEVICES_LABEL: ",".join(devices),
+            },
+            cdi_devices=devices,
+            env=dict(launch.env),
+            keepalive=keepalive.path,
+        )
         try:
-            container_id = self.create_container(request)
+            container_id = self._create(request)
+            holder = self.holder_for(container_id)
+            try:
+                launch.hand_over(holder)
+                self.start_created(container_id)
+            except BaseException as exc:
+                self.remove_container(container_id)
+                if isinstance(exc, self.engine_errors):
+                    raise SandboxStartError(
+                        f"{self.name} could not start {request.name} with CDI devices "
+                        f"{list(request.cdi_devices)}: {self.explain(exc)}"
+                    ) from exc
+                raise
+        except BaseException:
+            keepalive.close()
+            raise
+        return ContainerSandbox(
+            launch.sandbox_id, self.name, launch.gpus, holder, container_id, devices,
+            keepalive, self, self.host.leases,
+        )  # fmt: skip
+
+    def _create(self, request: ContainerRequest) -> str:
+        try:
+            return self.create_container(request)
         except self.engine_errors as exc:
             if not self.has_image(request.image):
                 raise UnknownImage(
@@ -362,18 +324,52 @@ class ContainerDriver(Driver):
                 f"{self.name} could not create {request.name} from {request.image}: "
                 f"{self.explain(exc)}"
             ) from exc
+
+    def holder_for(self, container_id: str) -> Holder:
+        """The lease holder a container is: the engine and its id, judged by holder_alive."""
+        return Holder(self.holder_kind, f"{self.url} {container_id}")
+
+    def abandon(self, sandbox_id: str) -> None:
+        """Release a sandbox's leases, unless its container may still exist and hold them.
+
+        Such a lease stays with the container, and the liveness check frees it once the
+        container is gone.
+        """
         try:
-            self.host.leases.set_holder(sandbox_id, self.holder(container_id))
-            self.start_created(container_id)
-        except BaseException as exc:
+            left = sandbox_id in self.session_containers(self.session_id)
+        except Exception:  # the engine cannot tell: never free a GPU on a guess
+            left = True
+        if not left:
+            self.host.leases.release(sandbox_id)
+
+    def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
+        """The CDI names to inject: the user's own when exact, else each GPU's first name."""
+        if plan is not None and plan.device_ids:
+            return plan.device_ids
+        return tuple(self.device_ids(gpu)[0] for gpu in gpus)
+
+    def keepalive_dir(self) -> Path:
+        return self.host.leases.directory / "keepalive"
+
+    def sandboxes(self, session_id: str) -> list[str]:
+        return sorted(self.session_containers(session_id))
+
+    def reap(self, session_id: str) -> list[str]:
+        found = self.session_containers(session_id)
+        for container_id in found.values():
             self.remove_container(container_id)
-            if isinstance(exc, self.engine_errors):
-                raise SandboxStartError(
-                    f"{self.name} could not start {request.name} with CDI devices "
-                    f"{list(request.cdi_devices)}: {self.explain(exc)}"
-                ) from exc
-            raise
-        return container_id
+
+        wait_for(
+            lambda: self.session_containers(session_id),
+            lambda left: not left,
+            timeout_s=REAP_TIMEOUT_S,
+            what=f"{self.name} to remove the containers of session {session_id}",
+            hint=f"see `{self.cli} ps --all --filter label={SESSION_LABEL}={session_id}`",
+        )
+        released = self.host.leases.release_session(session_id, driver=self.name)
+        for fifo in self.keepalive_dir().glob(f"{session_id}.*"):
+            fifo.unlink(missing_ok=True)
+        return sorted(set(found) | {lease.sandbox_id for lease in released})
 
     def explain(self, exc: Exception) -> str:
         """The engine's own words for a refused call."""
@@ -391,58 +387,60 @@ class ContainerDriver(Driver):
         )
 
 
+@dataclass
+class Keepalive:
+    """A FIFO whose only write end the creating process holds: the container reads it."""
+
+    path: Path
+    fd: int
+
+    @classmethod
+    def open(cls, path: Path) -> Keepalive:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        _KEEPALIVE_FDS.add(fd)
+        return cls(path, fd)
+
+    def close(self) -> None:
+        """Without its last writer, the container's main process exits by itself."""
+        if self.fd in _KEEPALIVE_FDS:
+            _KEEPALIVE_FDS.discard(self.fd)
+            os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
 class ContainerSandbox(Sandbox):
+    """A running container of one engine: the container holds its leases."""
+
     def __init__(
         self,
-        driver: ContainerDriver,
         sandbox_id: str,
+        driver: str,
         gpus: tuple[GpuDevice, ...],
+        holder: Holder,
+        container_id: str,
         cdi_devices: tuple[str, ...],
-        image: str,
-        env: Mapping[str, str],
+        keepalive: Keepalive,
+        engine: ContainerDriver,
+        leases: LeaseRegistry,
     ) -> None:
-        super().__init__(sandbox_id, driver.name, gpus)
+        super().__init__(sandbox_id, driver, gpus, holder, leases)
+        self.container_id = container_id
         self.cdi_devices = cdi_devices
-        self._driver = driver
-        self._closed = False
-        self._close_lock = threading.Lock()
-        # The creator holds the FIFO's only write end, in every process that creates: the
-        # container's reader sees end-of-file when the creator dies.
-        driver.keepalive_dir().mkdir(parents=True, exist_ok=True)
-        self._keepalive = driver.keepalive_dir() / f"{driver.session_id}.{sandbox_id}"
-        os.mkfifo(self._keepalive, 0o600)
-        self._keepalive_fd = os.open(self._keepalive, os.O_RDWR | os.O_CLOEXEC)
-        _KEEPALIVE_FDS.add(self._keepalive_fd)
-        request = ContainerRequest(
-            name=f"gpu-sandbox-{sandbox_id}",
-            image=image,
-            command=("sh", "-c", _KEEPALIVE_SCRIPT),
-            labels={
-                SESSION_LABEL: driver.session_id,
-                SANDBOX_LABEL: sandbox_id,
-                DRIVER_LABEL: driver.name,
-                DEVICES_LABEL: ",".join(cdi_devices),
-            },
-            cdi_devices=cdi_devices,
-            env=dict(env),
-            keepalive=self._keepalive,
-        )
-        try:
-            self.container_id = driver.start_container(request, sandbox_id)
-        except BaseException:
-            self._drop_keepalive()
-            raise
+        self._keepalive = keepalive
+        self._engine = engine
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         if not argv:
             raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
-        if self._closed:
+        if self.closed:
             raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
         marker, needle = exec_marker()
         timer = _Timeout(timeout, needle)
         timer.start()
         try:
-            output = self._driver.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
+            output = self._engine.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
         except EngineError as exc:
             if timer.fired:
                 raise ExecTimeout(argv, timeout) from exc
@@ -460,30 +458,12 @@ class ContainerSandbox(Sandbox):
             output.stderr.decode(errors="replace"),
         )
 
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        # Without the keepalive's last writer the container's main process exits by itself.
-        self._drop_keepalive()
-        try:
-            self._driver.stop_container(self.container_id)
-        except BaseException:
-            # The container may still hold the GPUs: its leases stay with it, and close()
-            # may be called again.
-            self._closed = False
-            raise
-        self._driver.host.leases.release(self.id)
+    def stop(self) -> None:
+        self._keepalive.close()
+        self._engine.stop_container(self.container_id)
 
     def kill(self) -> None:
-        self._driver.kill_container(self.container_id)
-
-    def _drop_keepalive(self) -> None:
-        if self._keepalive_fd in _KEEPALIVE_FDS:
-            _KEEPALIVE_FDS.discard(self._keepalive_fd)
-            os.close(self._keepalive_fd)
-        self._keepalive.unlink(missing_ok=True)
+        self._engine.kill_container(self.container_id)
 
 
 # The container's main process: it reads the keepalive FIFO until every writer is gone. It

@@ -33,11 +33,11 @@ from drivers.container import (
     ExecOutput,
     client_cache,
 )
-from gpuhost.leases import register_liveness
 
 
 class DockerDriver(ContainerDriver):
     name = "docker"
+    holder_kind = "docker"
     engine_errors = (docker.errors.DockerException, requests.RequestException)
     url_env = "DOCKER_HOST"
     default_url = "unix:///var/run/docker.sock"
@@ -157,5 +157,3 @@ _client = client_cache(
 _liveness_client = client_cache(
     lambda url, timeout: docker.DockerClient(base_url=url, timeout=timeout, version="1.24")
 )
-
-register_liveness(DockerDriver.name, DockerDriver.holder_alive)

@@ -32,12 +32,12 @@ from drivers.container import (
     client_cache,
 )
 from gpuhost import cdi
-from gpuhost.leases import register_liveness
 from gpuhost.wait import wait_until
 
 
 class PodmanDriver(ContainerDriver):
     name = "podman"
+    holder_kind = "podman"
     engine_errors = (podman.errors.PodmanError, requests.RequestException)
     url_env = "CONTAINER_HOST"
     default_url = "unix:///run/podman/podman.sock"
@@ -144,5 +144,3 @@ class PodmanDriver(ContainerDriver):
 
 
 _client = client_cache(lambda url, timeout: podman.PodmanClient(base_url=url, timeout=timeout))
-
-register_liveness(PodmanDriver.name, PodmanDriver.holder_alive)

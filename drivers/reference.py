@@ -25,19 +25,25 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Sandbox
+from drivers.base import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    Availability,
+    Driver,
+    ExecResult,
+    Launch,
+    Sandbox,
+)
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
-from gpuhost.leases import Holder, LeaseOwner, process_start_time
+from gpuhost.leases import Holder, LeaseRegistry, process_start_time
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
-from gpuhost.wait import wait_until
+from gpuhost.spec import DriverCapabilities
+from gpuhost.wait import wait_for
 
 START_TIMEOUT_S = 10.0
 """bwrap starts in ~10 ms; seconds mean it is stuck, and the error should say so."""
@@ -179,28 +185,68 @@ class ReferenceDriver(Driver):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         return (str(gpu.index), gpu.uuid, *gpu.cdi_names)
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
-        plan = self.validate(spec)
-        sandbox_id = uuid.uuid4().hex[:12]
-        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
+        for _ in range(START_ATTEMPTS - 1):
+            try:
+                return self._start(launch, argv)
+            except SandboxStartError as exc:
+                if _MOUNT_CHURN not in str(exc):
+                    raise
+        return self._start(launch, argv)
+
+    def _start(self, launch: Launch, argv: list[str]) -> ReferenceSandbox:
+        """Start bwrap and wait for its init to say it is ready."""
+        info_read, info_write = os.pipe()
         try:
-            return ReferenceSandbox(self, sandbox_id, gpus, spec.env)
+            process = _spawn(
+                [*argv, "--info-fd", str(info_write), *self.init_argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(info_write,),
+                env=HOST_ENV,
+            )
         except BaseException:
-            self.release(sandbox_id)
+            os.close(info_read)
             raise
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """Lease the plan's GPUs from the host registry, held by this process until started."""
-        exact = self.resolve(plan) if plan.device_ids else ()
-        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
-        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=exact)
-
-    def holder(self, sandbox_pid: int) -> Holder:
-        """What keeps a started sandbox's leases alive: its bwrap process."""
-        return Holder.process(sandbox_pid)
-
-    def release(self, sandbox_id: str) -> None:
-        self.host.leases.release(sandbox_id)
+        finally:
+            # _spawn returns (or raises) only once the spawner is done with the fd.
+            os.close(info_write)
+        try:
+            with os.fdopen(info_read, "rb") as info:
+                assert process.stdout is not None
+                ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+                if not ready or process.stdout.readline() != b"ready\n":
+                    process.kill()
+                    _, stderr = process.communicate()
+                    raise SandboxStartError(
+                        f"sandbox {launch.sandbox_id} did not start within "
+                        f"{START_TIMEOUT_S:g} s (bwrap exit {process.returncode}): "
+                        f"{stderr.decode(errors='replace').strip()}"
+                    )
+                try:
+                    child_pid = int(json.loads(info.read())["child-pid"])
+                    child_start = process_start_time(child_pid)
+                except (OSError, ValueError, KeyError) as exc:
+                    raise SandboxStartError(
+                        f"sandbox {launch.sandbox_id} died as it started: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+        except BaseException:
+            _stop_process(process)
+            raise
+        return ReferenceSandbox(
+            launch.sandbox_id,
+            self.name,
+            launch.gpus,
+            process,
+            child_pid,
+            child_start,
+            self.sandbox_env(launch.env),
+            self.host.leases,
+            self.close_timeout_s,
+        )
 
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
@@ -211,16 +257,13 @@ class ReferenceDriver(Driver):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-        def all_gone() -> None:
-            if _bwrap_processes(session_id):
-                raise ProcessLookupError(f"sandboxes of session {session_id} still running")
-
         # SIGKILL is delivered asynchronously: wait until the processes are really gone.
-        wait_until(
-            all_gone,
+        wait_for(
+            lambda: _bwrap_processes(session_id),
+            lambda left: not left,
             timeout_s=REAP_TIMEOUT_S,
             what=f"the sandboxes of session {session_id} to exit",
-            retry_on=(ProcessLookupError,),
+            hint="a bwrap process that outlives SIGKILL is stuck in the kernel (D state)",
         )
         released = self.host.leases.release_session(session_id, driver=self.name)
         return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
@@ -288,81 +331,31 @@ class ReferenceDriver(Driver):
 
 
 class ReferenceSandbox(Sandbox):
+    """A running bubblewrap sandbox: its bwrap process holds its leases."""
+
     def __init__(
         self,
-        driver: ReferenceDriver,
         sandbox_id: str,
+        driver: str,
         gpus: tuple[GpuDevice, ...],
+        process: subprocess.Popen[bytes],
+        child_pid: int,
+        child_start: str,
         env: Mapping[str, str],
+        leases: LeaseRegistry,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
-        super().__init__(sandbox_id, driver.name, gpus)
-        self._driver = driver
-        self._env = driver.sandbox_env(env)
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._process, self._child_pid, self._child_start = self._start_retrying(
-            driver.bwrap_argv(sandbox_id, gpus)
-        )
-        try:
-            driver.host.leases.set_holder(sandbox_id, driver.holder(self._process.pid))
-        except BaseException:
-            self._stop()
-            raise
+        super().__init__(sandbox_id, driver, gpus, Holder.process(process.pid), leases)
+        self._process = process
+        self._child_pid = child_pid
+        self._child_start = child_start
+        self._env = env
+        self._close_timeout_s = close_timeout_s
 
     @property
     def pid(self) -> int:
         """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
         return self._process.pid
-
-    def _start_retrying(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
-        for _ in range(START_ATTEMPTS - 1):
-            try:
-                return self._start(argv)
-            except SandboxStartError as exc:
-                if _MOUNT_CHURN not in str(exc):
-                    raise
-        return self._start(argv)
-
-    def _start(self, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
-        """Start bwrap; return it, the sandbox init's host pid and that pid's start time."""
-        info_read, info_write = os.pipe()
-        try:
-            process = _spawn(
-                [*argv, "--info-fd", str(info_write), *self._driver.init_argv],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(info_write,),
-                env=HOST_ENV,
-            )
-        except BaseException:
-            os.close(info_read)
-            raise
-        finally:
-            # _spawn returns (or raises) only once the spawner is done with the fd.
-            os.close(info_write)
-        try:
-            with os.fdopen(info_read, "rb") as info:
-                assert process.stdout is not None
-                ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-                if not ready or process.stdout.readline() != b"ready\n":
-                    process.kill()
-                    _, stderr = process.communicate()
-                    raise SandboxStartError(
-                        f"sandbox {self.id} did not start within {START_TIMEOUT_S:g} s "
-                        f"(bwrap exit {process.returncode}): "
-                        f"{stderr.decode(errors='replace').strip()}"
-                    )
-                try:
-                    child_pid = int(json.loads(info.read())["child-pid"])
-                    return process, child_pid, process_start_time(child_pid)
-                except (OSError, ValueError, KeyError) as exc:
-                    raise SandboxStartError(
-                        f"sandbox {self.id} died as it started: {type(exc).__name__}: {exc}"
-                    ) from exc
-        except BaseException:
-            _stop_process(process)
-            raise
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         if not argv or "=" in argv[0]:
@@ -424,26 +417,16 @@ class ReferenceSandbox(Sandbox):
             alive = process_start_time(self._child_pid) == self._child_start
         except OSError:
             alive = False
-        if self._closed or self._process.poll() is not None or not alive:
+        if self.closed or self._process.poll() is not None or not alive:
             raise SandboxExecError(f"sandbox {self.id} is not running; cannot run {list(argv)!r}")
 
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+    def stop(self) -> None:
+        # Closing its stdin ends the init, and the sandbox with it; then kill what is left.
         try:
-            self._stop(graceful=True)
-        finally:
-            self._driver.release(self.id)
-
-    def _stop(self, graceful: bool = False) -> None:
-        try:
-            if graceful:
-                assert self._process.stdin is not None
-                self._process.stdin.close()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._process.wait(self._driver.close_timeout_s)
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(self._close_timeout_s)
         finally:
             _stop_process(self._process)
 

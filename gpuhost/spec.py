@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -102,11 +103,15 @@ class DriverCapabilities:
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """A validated request: how many GPUs, and which native IDs when exact."""
+    """A validated request: how many GPUs, and which native IDs when exact.
+
+    ``gpus`` are the GPUs the exact IDs name, once a driver has resolved them.
+    """
 
     count: int
     device_ids: tuple[str, ...] = ()
     field: str = "resource_requirements.gpu"
+    gpus: tuple[GpuDevice, ...] = ()
 
 
 def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:

@@ -54,15 +54,17 @@ class Progress:
 def wait_until(
     attempt: Callable[[], T],
     *,
+    retry_on: tuple[type[BaseException], ...],
     timeout_s: float,
     what: str,
+    hint: str = "",
     interval_s: float = 0.05,
-    retry_on: tuple[type[BaseException], ...] = (Exception,),
 ) -> T:
     """Call ``attempt`` until it returns without raising one of ``retry_on``.
 
-    ``what`` completes "waiting for ...". Raises ``TimeoutError`` naming ``what``, the time
-    waited and the last error; says on stderr what it waits for once the wait has lasted.
+    Only the errors named are retried: any other is raised at once. ``what`` completes
+    "waiting for ...". Raises ``TimeoutError`` naming ``what``, the time waited, the last
+    error and ``hint`` (what to look at); says on stderr what it waits for once it lasts.
     """
     progress = Progress(what)
     while True:
@@ -74,6 +76,36 @@ def wait_until(
                 raise TimeoutError(
                     f"gave up waiting for {what} after {elapsed:.1f} s "
                     f"(last error: {type(exc).__name__}: {exc})"
+                    + (f". Hint: {hint}" if hint else "")
                 ) from exc
+        progress.tick()
+        time.sleep(interval_s)
+
+
+def wait_for(
+    observe: Callable[[], T],
+    done: Callable[[T], bool],
+    *,
+    timeout_s: float,
+    what: str,
+    hint: str = "",
+    interval_s: float = 0.05,
+) -> T:
+    """Observe until ``done(observed)``; return what was observed last.
+
+    Raises ``TimeoutError`` naming ``what``, the time waited, the last observation and
+    ``hint``. Errors of ``observe`` are not retried: they are raised at once.
+    """
+    progress = Progress(what)
+    while True:
+        observed = observe()
+        if done(observed):
+            return observed
+        elapsed = progress.clock() - progress.start
+        if elapsed >= timeout_s:
+            raise TimeoutError(
+                f"gave up waiting for {what} after {elapsed:.1f} s (last seen: {observed!r})"
+                + (f". Hint: {hint}" if hint else "")
+            )
         progress.tick()
         time.sleep(interval_s)

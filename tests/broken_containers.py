@@ -54,7 +54,7 @@ class LeaseKeptAfterRemoval(BrokenContainerDriver):
 
     BREAKS = "GPU-RECLAIM-03"
 
-    def holder(self, container_id: str) -> Holder:
+    def holder_for(self, container_id: str) -> Holder:
         return Holder.process(os.getpid())
 
 

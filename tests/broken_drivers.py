@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from drivers import reference
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult, Launch, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
@@ -46,8 +46,8 @@ class GpuWithoutRequest(BrokenDriver):
 
     BREAKS = "GPU-NONE-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
-        return super().validate(spec) or GpuPlan(count=1)
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        return super().plan(spec) or GpuPlan(count=1)
 
 
 class AllGpusOnDefault(BrokenDriver):
@@ -55,8 +55,8 @@ class AllGpusOnDefault(BrokenDriver):
 
     BREAKS = "GPU-DEFAULT-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().validate(spec)
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().plan(spec)
         if plan is not None and spec.gpu is not None and spec.gpu.count is None:
             return GpuPlan(count=len(self.inventory()))
         return plan
@@ -80,8 +80,8 @@ class CountIgnored(BrokenDriver):
 
     BREAKS = "GPU-COUNT-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().validate(spec)
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().plan(spec)
         return plan if plan is None or plan.device_ids else GpuPlan(count=1)
 
 
@@ -111,11 +111,11 @@ class LaxDriverConfig(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
         try:
-            return super().validate(spec)
+            return super().plan(spec)
         except InvalidDriverConfig:
-            return super().validate(dataclasses.replace(spec, driver_config={}))
+            return super().plan(dataclasses.replace(spec, driver_config={}))
 
 
 class LaxCount(BrokenDriver):
@@ -123,9 +123,9 @@ class LaxCount(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
         try:
-            return super().validate(spec)
+            return super().plan(spec)
         except InvalidGpuCount:
             return GpuPlan(count=1)
 
@@ -135,12 +135,12 @@ class LeakOnInvalidRequest(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+    def create(self, spec: SandboxSpec) -> Sandbox:
         early = f"early-{uuid.uuid4().hex}"
         owner = LeaseOwner(self.name, early, self.session_id, Holder.process(os.getpid()))
         with contextlib.suppress(GpusExhausted):
             self.host.leases.acquire(self.inventory(), owner, count=1)
-        self.validate(spec)
+        self.plan(spec)
         self.host.leases.release(early)
         return super().create(spec)
 
@@ -150,9 +150,9 @@ class DuplicatesAccepted(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-03"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
         try:
-            return super().validate(spec)
+            return super().plan(spec)
         except DuplicateGpuDevice as exc:
             ids = tuple(dict.fromkeys(spec.driver_config[self.name]["gpu_device_ids"]))
             return GpuPlan(count=len(ids), device_ids=ids, field=exc.field)
@@ -187,8 +187,8 @@ class ClampsOversizedCount(BrokenDriver):
     def capabilities(self) -> DriverCapabilities:
         return dataclasses.replace(super().capabilities, max_gpus_per_sandbox=10**9)
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().validate(spec)
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        plan = super().plan(spec)
         if plan is not None and plan.count > len(self.inventory()):
             return dataclasses.replace(plan, count=len(self.inventory()))
         return plan
@@ -200,7 +200,7 @@ class SharesBusyGpu(BrokenDriver):
     BREAKS = "GPU-BUSY-01"
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        return self.resolve(plan) if plan.device_ids else super().allocate(sandbox_id, plan)
+        return plan.gpus if plan.device_ids else super().allocate(sandbox_id, plan)
 
 
 RACE_WINDOW_S = 0.25
@@ -272,16 +272,22 @@ class ThreadsOnlyLock(BrokenDriver):
         super().__init__(host, session_id, image)
 
 
+class _KeepsLeasesOnClose(ReferenceSandbox):
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
+
+
 class LeakOnClose(BrokenDriver):
     """close() stops the sandbox but keeps its lease, held by the creating process."""
 
     BREAKS = "GPU-RELEASE-01"
 
-    def holder(self, sandbox_pid: int) -> Holder:
-        return Holder.process(os.getpid())
-
-    def release(self, sandbox_id: str) -> None:
-        pass
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.holder = Holder.process(os.getpid())
+        sandbox.__class__ = _KeepsLeasesOnClose
+        return sandbox
 
 
 class NoReclaimOnKill(BrokenDriver):
@@ -289,8 +295,10 @@ class NoReclaimOnKill(BrokenDriver):
 
     BREAKS = "GPU-RECLAIM-01"
 
-    def holder(self, sandbox_pid: int) -> Holder:
-        return Holder("sandbox", str(sandbox_pid))
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.holder = Holder("sandbox", str(sandbox.pid))
+        return sandbox
 
 
 class OutlivesItsCreator(BrokenDriver):
@@ -345,8 +353,8 @@ class ExecHidesExitCode(BrokenDriver):
 
     BREAKS = "SANDBOX-EXEC-01"
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
-        sandbox = super().create(spec)
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
         sandbox.__class__ = _LyingSandbox
         return sandbox
 
@@ -412,11 +420,11 @@ class ReadsDockerBlock(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
         config = dict(spec.driver_config)
         if self.name not in config and "docker" in config:
             config[self.name] = config.pop("docker")
-        return super().validate(dataclasses.replace(spec, driver_config=config))
+        return super().plan(dataclasses.replace(spec, driver_config=config))
 
 
 class PrefersFirstBlock(BrokenDriver):
@@ -424,11 +432,11 @@ class PrefersFirstBlock(BrokenDriver):
 
     BREAKS = "GPU-EXACT-01"
 
-    def validate(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
         if len(spec.driver_config) > 1:
             first = next(iter(spec.driver_config.values()))
             spec = dataclasses.replace(spec, driver_config={self.name: first})
-        return super().validate(spec)
+        return super().plan(spec)
 
 
 _CREATED_HERE: set[str] = set()
@@ -439,7 +447,7 @@ class ReapsOnlyItsOwn(BrokenDriver):
 
     BREAKS = "SANDBOX-REAP-01"
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
+    def create(self, spec: SandboxSpec) -> Sandbox:
         sandbox = super().create(spec)
         _CREATED_HERE.add(sandbox.id)
         return sandbox
@@ -450,8 +458,17 @@ class ReapsOnlyItsOwn(BrokenDriver):
             if sandbox_id in mine:
                 os.kill(pid, 9)
         for sandbox_id in mine:
-            self.release(sandbox_id)
+            self.host.leases.release(sandbox_id)
         return mine
+
+
+class _KeepsAllButFirstOnClose(ReferenceSandbox):
+    def close(self) -> None:
+        super().close()
+        if len(self.gpus) > 1:  # taken again, held by the creator, under another sandbox id
+            owner = LeaseOwner("reference", f"{self.id}-kept", "", Holder.process(os.getpid()))
+            assert self._leases is not None
+            self._leases.acquire(self.gpus, owner, exact=self.gpus[1:])
 
 
 class LeaksAllButFirst(BrokenDriver):
@@ -459,21 +476,10 @@ class LeaksAllButFirst(BrokenDriver):
 
     BREAKS = "GPU-RELEASE-01"
 
-    def holder(self, sandbox_pid: int) -> Holder:
-        return Holder.process(os.getpid())
-
-    def release(self, sandbox_id: str) -> None:
-        leases = [x for x in self.host.leases.leases() if x.sandbox_id == sandbox_id]
-        if len(leases) < 2:
-            super().release(sandbox_id)
-            return
-        kept = f"{sandbox_id}-kept"
-        self.host.leases.release(sandbox_id)
-        owner = LeaseOwner(self.name, kept, self.session_id, Holder.process(os.getpid()))
-        by_uuid = {gpu.uuid: gpu for gpu in self.inventory()}
-        self.host.leases.acquire(
-            self.inventory(), owner, exact=[by_uuid[x.gpu_uuid] for x in leases[1:]]
-        )
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.__class__ = _KeepsAllButFirstOnClose
+        return sandbox
 
 
 class StaleInjection(BrokenDriver):
@@ -530,8 +536,8 @@ class ExecTruncatesOutput(BrokenDriver):
 
     BREAKS = "SANDBOX-EXEC-01"
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
-        sandbox = super().create(spec)
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
         sandbox.__class__ = _TruncatingSandbox
         return sandbox
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch
 from drivers.reference import ReferenceDriver, ReferenceSandbox
-from gpuhost.spec import SandboxSpec
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -24,8 +23,8 @@ class NotADriver:
 class HangsInExec(ReferenceDriver):
     """A driver whose sandboxes never return from a command: the per-test bound catches it."""
 
-    def create(self, spec: SandboxSpec) -> ReferenceSandbox:
-        sandbox = super().create(spec)
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
         sandbox.__class__ = _HangingSandbox
         return sandbox
 

@@ -221,7 +221,12 @@ def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
     try:
         monkeypatch.setenv("DOCKER_HOST", f"unix://{socket}")
         driver = DockerDriver(engine_host, "nocdi")
-        wait_until(driver.ping, timeout_s=60, what=f"the dockerd without CDI at {socket}")
+        wait_until(
+            driver.ping,
+            retry_on=DockerDriver.engine_errors,
+            timeout_s=60,
+            what=f"the dockerd without CDI at {socket}",
+        )
         availability = driver.probe()
     finally:
         daemon.terminate()

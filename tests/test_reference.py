@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from drivers.base import Launch
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost import simulated
 from gpuhost.devices import DeviceNode, GpuDevice
@@ -53,6 +53,7 @@ def test_exec_after_close_or_kill_is_an_error(reference: ReferenceDriver) -> Non
     with pytest.raises(SandboxExecError, match="not running"):
         sandbox.exec(["true"])
     killed = reference.create(SandboxSpec())
+    assert isinstance(killed, ReferenceSandbox)
     killed.kill()
     killed._process.wait()
     with pytest.raises(SandboxExecError, match="not running"):
@@ -135,15 +136,15 @@ def test_only_a_start_that_lost_a_race_with_host_mounts_is_tried_again(
     failures: list[str],
     started: bool,
 ) -> None:
-    start = ReferenceSandbox._start
+    start = ReferenceDriver._start
     pending = list(failures)
 
-    def flaky(self: ReferenceSandbox, argv: list[str]) -> tuple[subprocess.Popen[bytes], int, str]:
+    def flaky(self: ReferenceDriver, launch: Launch, argv: list[str]) -> ReferenceSandbox:
         if pending:
-            raise SandboxStartError(f"sandbox {self.id} did not start: {pending.pop(0)}")
-        return start(self, argv)
+            raise SandboxStartError(f"sandbox {launch.sandbox_id} did not start: {pending.pop(0)}")
+        return start(self, launch, argv)
 
-    monkeypatch.setattr(ReferenceSandbox, "_start", flaky)
+    monkeypatch.setattr(ReferenceDriver, "_start", flaky)
     if started:
         with reference.create(SandboxSpec.with_gpus()) as sandbox:
             assert sandbox.exec(["true"]).returncode == 0

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from gpuhost.wait import Progress, wait_until
+from gpuhost.wait import Progress, wait_for, wait_until
 
 
 class FakeClock:
@@ -43,7 +43,10 @@ def test_wait_until_returns_the_first_success_quietly(capsys: pytest.CaptureFixt
             raise error
         return "ready"
 
-    assert wait_until(attempt, timeout_s=5, what="the thing", interval_s=0.001) == "ready"
+    ready = wait_until(
+        attempt, retry_on=(ValueError,), timeout_s=5, what="the thing", interval_s=0.001
+    )
+    assert ready == "ready"
     assert capsys.readouterr().err == ""
 
 
@@ -56,7 +59,45 @@ def test_wait_until_reports_a_long_wait_and_gives_up_with_the_last_error(
         raise ConnectionRefusedError("connection refused")
 
     with pytest.raises(TimeoutError) as excinfo:
-        wait_until(never, timeout_s=0.05, what="the daemon", interval_s=0.01)
+        wait_until(
+            never,
+            retry_on=(ConnectionRefusedError,),
+            timeout_s=0.05,
+            what="the daemon",
+            hint="is it running?",
+            interval_s=0.01,
+        )
     assert str(excinfo.value).startswith("gave up waiting for the daemon after 0.")
     assert "last error: ConnectionRefusedError: connection refused" in str(excinfo.value)
+    assert str(excinfo.value).endswith(". Hint: is it running?")
     assert capsys.readouterr().err.splitlines()[0] == "waiting for the daemon (0 s)"
+
+
+def test_wait_until_raises_an_error_it_was_not_told_to_retry_at_once() -> None:
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise KeyError("a bug, not a wait")
+
+    with pytest.raises(KeyError):
+        wait_until(broken, retry_on=(ConnectionError,), timeout_s=5, what="x", interval_s=0.001)
+    assert len(calls) == 1
+
+
+def test_wait_for_returns_the_observation_that_is_done() -> None:
+    seen = iter([["a", "b"], ["a"], []])
+    assert wait_for(lambda: next(seen), lambda left: not left, timeout_s=5, what="x") == []
+
+
+def test_wait_for_gives_up_with_the_last_observation_and_a_hint() -> None:
+    with pytest.raises(TimeoutError) as excinfo:
+        wait_for(
+            lambda: ["sandbox-1"],
+            lambda left: not left,
+            timeout_s=0.05,
+            what="the sandboxes to exit",
+            hint="kill them by hand",
+            interval_s=0.01,
+        )
+    assert "(last seen: ['sandbox-1']). Hint: kill them by hand" in str(excinfo.value)
