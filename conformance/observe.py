@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -43,9 +44,60 @@ def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
     return [line.strip() for line in result.stdout.splitlines() if line.strip()]
 
 
+@dataclass(frozen=True)
+class ListedMig:
+    """A MIG device line of ``nvidia-smi -L``; ``index`` is its number within its GPU."""
+
+    index: int
+    name: str
+    uuid: str
+
+    @property
+    def profile(self) -> str:
+        """The MIG profile, ``1g.10gb`` for the name ``MIG 1g.10gb``."""
+        return self.name.removeprefix("MIG ")
+
+
+@dataclass(frozen=True)
+class ListedGpu:
+    """A GPU line of ``nvidia-smi -L`` with the MIG devices listed under it."""
+
+    index: int
+    name: str
+    uuid: str
+    mig_devices: tuple[ListedMig, ...] = ()
+
+
+_LIST_GPU = re.compile(r"^GPU (?P<index>\d+): (?P<name>.+) \(UUID: (?P<uuid>[^)\s]+)\)$")
+_LIST_MIG = re.compile(
+    r"^\s+(?P<name>MIG \S+)\s+Device\s+(?P<index>\d+): \(UUID: (?P<uuid>[^)\s]+)\)$"
+)
+
+
+def parse_list(text: str) -> list[ListedGpu]:
+    """Parse ``nvidia-smi -L``; any other line (an error about one GPU, say) is a ValueError."""
+    gpus: list[ListedGpu] = []
+    migs: list[list[ListedMig]] = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line:
+            continue
+        if gpu := _LIST_GPU.match(line):
+            gpus.append(ListedGpu(int(gpu["index"]), gpu["name"], gpu["uuid"]))
+            migs.append([])
+        elif (mig := _LIST_MIG.match(line)) and gpus:
+            migs[-1].append(ListedMig(int(mig["index"]), mig["name"], mig["uuid"]))
+        else:
+            raise ValueError(f"unexpected line in nvidia-smi -L output: {line!r}")
+    return [
+        ListedGpu(gpu.index, gpu.name, gpu.uuid, tuple(mig_devices))
+        for gpu, mig_devices in zip(gpus, migs, strict=True)
+    ]
+
+
 def describe_gpus(sandbox: Sandbox) -> str:
     """What a sandbox shows of its GPUs, for a failure message: its NVIDIA nodes, nvidia-smi."""
-    script = "ls -l /dev/nvidia* 2>&1; nvidia-smi -L 2>&1; echo \"nvidia-smi exit $?\""
+    script = 'ls -l /dev/nvidia* 2>&1; nvidia-smi -L 2>&1; echo "nvidia-smi exit $?"'
     result = sandbox.exec(["sh", "-c", script])
     return f"{result.stdout.strip()!r} (exit {result.returncode}, stderr {result.stderr.strip()!r})"
 

@@ -2,8 +2,8 @@
 
 NVIDIA GPUs come from NVML (``from_nvml``) or ``nvidia-smi`` (``from_nvidia_smi``), and
 ``discover_nvidia`` tries them in that order. GPUs of any vendor come from the PCI bus
-(``lspci -Dvmmnn`` or sysfs) plus their ``/dev/dri`` nodes (``pci_gpus``). The parsers are
-separate functions so that recorded command output can be tested without a GPU.
+(sysfs) plus their ``/dev/dri`` nodes (``pci_gpus``). The parsers are separate functions
+so that recorded command output can be tested without a GPU.
 """
 
 from __future__ import annotations
@@ -235,57 +235,6 @@ def with_proc_minor(gpu: GpuDevice, proc_gpus: Path = PROC_DRIVER_GPUS) -> GpuDe
     return replace(gpu, minor=minor, nodes=nvidia_nodes(minor))
 
 
-@dataclass(frozen=True)
-class ListedMig:
-    """A MIG device line of ``nvidia-smi -L``; ``index`` is its number within its GPU."""
-
-    index: int
-    name: str
-    uuid: str
-
-    @property
-    def profile(self) -> str:
-        """The MIG profile, ``1g.10gb`` for the name ``MIG 1g.10gb``."""
-        return self.name.removeprefix("MIG ")
-
-
-@dataclass(frozen=True)
-class ListedGpu:
-    """A GPU line of ``nvidia-smi -L`` with the MIG devices listed under it."""
-
-    index: int
-    name: str
-    uuid: str
-    mig_devices: tuple[ListedMig, ...] = ()
-
-
-_LIST_GPU = re.compile(r"^GPU (?P<index>\d+): (?P<name>.+) \(UUID: (?P<uuid>[^)\s]+)\)$")
-_LIST_MIG = re.compile(
-    r"^\s+(?P<name>MIG \S+)\s+Device\s+(?P<index>\d+): \(UUID: (?P<uuid>[^)\s]+)\)$"
-)
-
-
-def parse_list(text: str) -> list[ListedGpu]:
-    """Parse ``nvidia-smi -L``; any other line (an error about one GPU, say) is a ValueError."""
-    gpus: list[ListedGpu] = []
-    migs: list[list[ListedMig]] = []
-    for line in text.splitlines():
-        line = line.rstrip()
-        if not line:
-            continue
-        if gpu := _LIST_GPU.match(line):
-            gpus.append(ListedGpu(int(gpu["index"]), gpu["name"], gpu["uuid"]))
-            migs.append([])
-        elif (mig := _LIST_MIG.match(line)) and gpus:
-            migs[-1].append(ListedMig(int(mig["index"]), mig["name"], mig["uuid"]))
-        else:
-            raise ValueError(f"unexpected line in nvidia-smi -L output: {line!r}")
-    return [
-        ListedGpu(gpu.index, gpu.name, gpu.uuid, tuple(mig_devices))
-        for gpu, mig_devices in zip(gpus, migs, strict=True)
-    ]
-
-
 # --- PCI and /dev/dri ----------------------------------------------------------------------
 
 GPU_PCI_CLASSES: Final = {
@@ -314,49 +263,6 @@ class PciDevice:
     device_name: str
     driver: str = ""
     """The kernel driver bound to it (sysfs, or ``lspci -k``); empty when none or unknown."""
-
-
-_NAME_AND_CODE = re.compile(r"^(?P<name>.*?)\s*\[(?P<code>[0-9a-fA-F]{4})\]$")
-
-
-def _name_and_code(record: Mapping[str, str], key: str) -> tuple[str, str]:
-    value = record.get(key)
-    if value is None:
-        raise ValueError(f"lspci record has no {key}: {dict(record)!r}")
-    match = _NAME_AND_CODE.match(value)
-    if not match:
-        raise ValueError(f"lspci {key} {value!r} carries no [code]: run lspci with -nn")
-    return match["name"], match["code"].lower()
-
-
-def parse_lspci_vmm(text: str) -> list[PciDevice]:
-    """Parse ``lspci -Dvmmnn`` (``-k`` adds the driver; without ``-D`` the domain is 0000)."""
-    devices = []
-    for block in re.split(r"\n[ \t]*\n", text.strip()):
-        if not block.strip():
-            continue
-        record = {}
-        for line in block.splitlines():
-            key, _, value = line.partition(":")
-            record[key.strip()] = value.strip()
-        if "Slot" not in record:
-            raise ValueError(f"lspci record has no Slot (run lspci with -mm): {block!r}")
-        class_name, class_code = _name_and_code(record, "Class")
-        vendor_name, vendor_id = _name_and_code(record, "Vendor")
-        device_name, device_id = _name_and_code(record, "Device")
-        devices.append(
-            PciDevice(
-                slot=normalize_pci_bus_id(record["Slot"]),
-                class_code=class_code,
-                class_name=class_name,
-                vendor_id=vendor_id,
-                vendor_name=vendor_name,
-                device_id=device_id,
-                device_name=device_name,
-                driver=record.get("Driver", ""),
-            )
-        )
-    return devices
 
 
 def gpu_pci_devices(devices: Iterable[PciDevice]) -> list[PciDevice]:
@@ -409,21 +315,6 @@ def dri_nodes_by_pci(by_path: Path = DRI_BY_PATH) -> dict[str, tuple[DeviceNode,
         node = DeviceNode(str(target), os.major(rdev), os.minor(rdev))
         nodes.setdefault(normalize_pci_bus_id(match["bus"]), []).append(node)
     return {bus: tuple(sorted(bus_nodes)) for bus, bus_nodes in nodes.items()}
-
-
-_LISTING_LINK = re.compile(
-    r"\spci-(?P<bus>[0-9a-fA-F:.]+)-(?P<kind>card|render) -> (?P<target>\S+)$"
-)
-
-
-def parse_dri_by_path_listing(text: str) -> dict[str, dict[str, str]]:
-    """Bus id to ``{"card": "card1", "render": "renderD129"}`` from ``ls -l /dev/dri/by-path``."""
-    links: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        if match := _LISTING_LINK.search(line.rstrip()):
-            bus = normalize_pci_bus_id(match["bus"])
-            links.setdefault(bus, {})[match["kind"]] = PurePosixPath(match["target"]).name
-    return links
 
 
 def pci_gpus(

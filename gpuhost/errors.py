@@ -15,15 +15,6 @@ class DriverError(Exception):
     """Base of every error a driver raises on purpose."""
 
 
-class DriverUnavailable(DriverError):
-    """The driver cannot run on this host; ``reason`` says what was needed and what was found."""
-
-    def __init__(self, driver: str, reason: str) -> None:
-        super().__init__(f"{driver}: {reason}")
-        self.driver = driver
-        self.reason = reason
-
-
 class RequestError(DriverError):
     """A refused request: ``field`` is where the problem is, ``value`` what was found there."""
 

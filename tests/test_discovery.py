@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from conformance.observe import ListedGpu, parse_list
 from gpuhost import discovery
 from gpuhost.devices import NVIDIA_MAJOR, DeviceNode, GpuDevice
 from gpuhost.discovery import (
     GPU_PCI_CLASSES,
     QUERY_FIELDS,
     DiscoveryError,
-    ListedGpu,
     PciDevice,
     SourceNotFound,
     discover_nvidia,
@@ -23,14 +23,12 @@ from gpuhost.discovery import (
     from_sysfs,
     gpu_pci_devices,
     gpus_from_query_csv,
-    parse_dri_by_path_listing,
-    parse_list,
-    parse_lspci_vmm,
     parse_mib,
     parse_proc_driver_information,
     parse_query_csv,
     pci_gpus,
 )
+from tests.captures import parse_dri_by_path_listing, parse_lspci_vmm
 
 DATA = Path(__file__).parent / "data" / "discovery"
 DGX_H100_BUSES = [f"0000:{bus}:00.0" for bus in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]
