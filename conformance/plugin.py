@@ -522,7 +522,7 @@ def _skips_by_reason(terminalreporter: pytest.TerminalReporter) -> None:
     for report in terminalreporter.stats.get("skipped", []):
         reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
         reason = reason.removeprefix("Skipped: ")
-        if " does not apply to " in reason or reason.startswith("not applicable"):
+        if " does not apply to " in reason or "(exclusive=False)" in reason:
             not_applicable += 1
         else:
             reasons[reason] += 1
