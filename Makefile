@@ -7,6 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 SIM_ROOT ?= /run/gpu-sandbox-sim
 SIM_GPUS ?= 8
+# The simulated host of `make conformance`: two of its GPUs in MIG mode, and an Intel and
+# two AMD GPUs beside them, so that the MIG and DRI requirements are checked too.
+SIM_MIG ?= 0:7x1g.10gb,1:3x2g.20gb
+SIM_DRI ?= intel:1,amd:2
 REPORTS := reports
 PYTEST_ARGS ?=
 
@@ -72,7 +76,7 @@ simulated-host: venv
 	  echo "real NVIDIA GPUs found: no simulated host"; \
 	else \
 	  $(BIN)/python -m gpuhost.simulated setup --root $(SIM_ROOT) --count $(SIM_GPUS) \
-	    --cdi-dir /var/run/cdi; \
+	    --mig=$(SIM_MIG) --dri=$(SIM_DRI) --cdi-dir /var/run/cdi; \
 	fi
 
 # The container engines of the docker and podman lanes: installed from Debian when missing
@@ -90,7 +94,8 @@ engines-stop:
 # its own (--sim-gpus), registered with the container engines, and removes it at the end.
 conformance: venv host-packages
 	@mkdir -p $(REPORTS)
-	@sim=""; nvidia-smi -L >/dev/null 2>&1 || sim="--sim-gpus=$(SIM_GPUS)"; \
+	@sim=""; nvidia-smi -L >/dev/null 2>&1 || \
+	  sim="--sim-gpus=$(SIM_GPUS) --sim-mig=$(SIM_MIG) --sim-dri=$(SIM_DRI)"; \
 	$(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
 	  --conformance-json=$(REPORTS)/conformance.json \
 	  --conformance-html=$(REPORTS)/conformance.html \

@@ -8,6 +8,9 @@
 3. The lease registry: grant + release per second with 8 processes contending, and double
    grants (a GPU held by two processes at once). Target: at least 2,000/s and zero, where
    registries live by default (/run, a tmpfs); the rate on disk is reported beside it.
+4. The same on a host with MIG instances and shared GPUs: every other grant a MIG instance,
+   the others a shared GPU, where a grant weighs instances against their GPUs and shared
+   leases against their limit. Target: at least 2,000/s.
 
 Runs on a simulated GPU host of its own, in a temporary directory.
 """
@@ -31,7 +34,7 @@ from drivers.reference import ReferenceDriver
 from gpuhost import simulated
 from gpuhost.errors import GpusExhausted
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import Holder, LeaseOwner, LeaseRegistry
+from gpuhost.leases import EXCLUSIVE, SHARED, Holder, LeaseOwner, LeaseRegistry
 from gpuhost.spec import SandboxSpec
 
 ROOT = Path(__file__).parent.parent
@@ -98,11 +101,13 @@ def _contend(
     seconds: float,
     check: bool,
     out: multiprocessing.Queue,  # type: ignore[type-arg]
+    mixed: bool = False,
 ) -> None:
     """Grant and release for ``seconds``; count grants, exhaustions and double grants.
 
     With ``check``, while it holds a GPU a worker owns a marker file for it, created with
     O_EXCL: if the registry ever granted a GPU twice, the second holder finds it there.
+    ``mixed``: every other grant is a MIG instance, the others a shared whole GPU.
     """
     host = simulated.load(Path(directory))
     registry = LeaseRegistry(Path(registry_dir))
@@ -113,8 +118,13 @@ def _contend(
     while time.monotonic() < deadline:
         sandbox_id = uuid.uuid4().hex
         owner = LeaseOwner("bench", sandbox_id, "bench", holder)
+        pool, mode = host.gpus, EXCLUSIVE
+        if mixed:
+            shared = grants % 2 == 1
+            pool = tuple(g for g in host.gpus if not g.mig_enabled) if shared else host.mig_devices
+            mode = SHARED if shared else EXCLUSIVE
         try:
-            (gpu,) = registry.acquire(host.gpus, owner, count=1)
+            (gpu,) = registry.acquire(pool, owner, count=1, mode=mode)
         except GpusExhausted:
             exhausted += 1
             continue
@@ -133,11 +143,16 @@ def _contend(
 
 
 def bench_registry(
-    sim_root: Path, registry_dir: Path, processes: int, seconds: float, check: bool
+    sim_root: Path,
+    registry_dir: Path,
+    processes: int,
+    seconds: float,
+    check: bool,
+    mixed: bool = False,
 ) -> tuple[float, int, int, int]:
     (sim_root / "bench-markers").mkdir(exist_ok=True)
     queue: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
-    args = (str(sim_root), str(registry_dir), seconds, check, queue)
+    args = (str(sim_root), str(registry_dir), seconds, check, queue, mixed)
     workers = [multiprocessing.Process(target=_contend, args=args) for _ in range(processes)]
     start = time.perf_counter()
     for worker in workers:
@@ -194,6 +209,18 @@ def main(argv: list[str] | None = None) -> int:
             f"   then with an O_EXCL marker per held GPU: {double} double grants in "
             f"{grants:,} grants  (target 0)"
         )
+
+        layout = simulated.parse_mig_layout("0:7x1g.10gb,1:7x1g.10gb,2:7x1g.10gb,3:7x1g.10gb")
+        mig = simulated.setup(Path(tmp) / "mig", 8, mig=layout)
+        print(
+            "\n4. the same on 4 GPUs with 28 MIG instances and 4 whole GPUs: every other "
+            "grant a MIG instance, the others a shared GPU"
+        )
+        with tempfile.TemporaryDirectory(prefix="gpu-bench-", dir=_run_dir()) as run:
+            rate, grants, _, exhausted = bench_registry(
+                mig.root, Path(run), args.processes, args.registry_seconds, False, mixed=True
+            )
+        print(f"   {rate:,.0f} grant+release/s; exhausted {exhausted}  (target >= 2,000/s)")
     return 0
 
 

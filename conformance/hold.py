@@ -25,6 +25,7 @@ from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from gpuhost.errors import DriverError
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import DEFAULT_SHARE_LIMIT
 from gpuhost.spec import SandboxSpec, parse_spec
 
 REPLY_TIMEOUT_S = 60.0
@@ -143,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="the sandbox spec as JSON")
     parser.add_argument("--sim-root", type=Path)
     parser.add_argument("--gpu-state-dir", type=Path)
+    parser.add_argument("--gpu-share-limit", type=int, default=DEFAULT_SHARE_LIMIT)
     parser.add_argument("--image")
     parser.add_argument("--reap", action="store_true", help="reap the session, then exit")
     args = parser.parse_args(argv)
 
-    host = GpuHost.open(HostConfig(args.sim_root, args.gpu_state_dir))
+    host = GpuHost.open(HostConfig(args.sim_root, args.gpu_state_dir, args.gpu_share_limit))
     driver = get_driver_class(args.driver)(host, args.session, args.image)
     if args.reap:
         _reply({"removed": driver.reap(args.session)})

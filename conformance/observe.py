@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import NVIDIA_MAJOR
-from gpuhost.errors import GpuAllocationError
+from gpuhost.errors import GpuAllocationError, RequestError
 from gpuhost.spec import SandboxSpec
 
 NVIDIA_SMI_NO_DEVICES = 6
@@ -32,16 +34,30 @@ def visible_gpu_uuids(sandbox: Sandbox) -> list[str]:
     Nor does one whose ``nvidia-smi`` cannot reach the driver (no ``/dev/nvidiactl``).
     """
     __tracebackhide__ = True
-    result = sandbox.exec(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
+    output = _nvidia_smi(sandbox, "--query-gpu=uuid", "--format=csv,noheader")
+    return [line.strip() for line in output.splitlines() if line.strip()]
+
+
+def visible_mig_uuids(sandbox: Sandbox) -> list[str]:
+    """UUIDs of the MIG instances ``nvidia-smi -L`` lists inside the sandbox, under any GPU."""
+    __tracebackhide__ = True
+    listed = parse_list(_nvidia_smi(sandbox, "-L"))
+    return [mig.uuid for gpu in listed for mig in gpu.mig_devices]
+
+
+def _nvidia_smi(sandbox: Sandbox, *args: str) -> str:
+    """``nvidia-smi``'s output inside the sandbox; "" where it finds no GPU or no driver."""
+    __tracebackhide__ = True
+    result = sandbox.exec(["nvidia-smi", *args])
     output = result.stdout + result.stderr
     if result.returncode == NVIDIA_SMI_NO_DEVICES and "No devices were found" in output:
-        return []
+        return ""
     if result.returncode == NVIDIA_SMI_NO_DRIVER and "couldn't communicate" in output:
-        return []
+        return ""
     if result.returncode in _COMMAND_NOT_FOUND and "not found" in output:
-        return []
+        return ""
     result.check()
-    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    return result.stdout
 
 
 @dataclass(frozen=True)
@@ -177,18 +193,45 @@ def foreign_gpu_nodes(sandbox: Sandbox, driver: Driver) -> list[NodeSeen]:
 
     Any node that reaches a GPU counts, whatever its kind: NVIDIA's, DRM card and render
     nodes, nvidia-caps, AMD's kfd, and the (simulated) host's own GPU-related majors.
+    NVIDIA's control nodes (nvidiactl, nvidia-uvm) belong only with an NVIDIA device.
     """
     __tracebackhide__ = True
     allowed = {(n.major, n.minor) for gpu in sandbox.gpus for n in gpu.nodes}
-    control = {(n.major, n.minor) for n in driver.host.control_nodes}
-    majors = gpu_device_majors(major for major, _ in control)
+    if any(gpu.vendor == "nvidia" for gpu in sandbox.gpus):
+        allowed |= {(n.major, n.minor) for n in driver.host.control_nodes}
+    majors = gpu_device_majors(driver.host.device_majors)
     return [
         node
         for node in device_nodes(sandbox)
-        if node.major in majors
-        and (node.major, node.minor) not in allowed
-        and ((node.major, node.minor) not in control or not sandbox.gpus)
+        if node.major in majors and (node.major, node.minor) not in allowed
     ]
+
+
+DRM_RENDER_MINORS = range(128, 256)
+"""renderD128 and up; card<N> has minor N (and 64-127 were the retired control nodes)."""
+
+
+def visible_dri(sandbox: Sandbox, driver: Driver) -> dict[str, set[str]]:
+    """PCI address → which DRI nodes (``card``, ``render``) of that GPU the sandbox holds.
+
+    Of the host's AMD and Intel GPUs, told by the nodes' numbers as the kernel tells them,
+    wherever and under whatever name they are in the sandbox's /dev.
+    """
+    __tracebackhide__ = True
+    by_number = {
+        (node.major, node.minor): (
+            gpu.pci_bus_id,
+            "render" if node.minor in DRM_RENDER_MINORS else "card",
+        )
+        for gpu in driver.host.dri_gpus
+        for node in gpu.nodes
+        if node.major == DRM_MAJOR
+    }
+    seen: dict[str, set[str]] = {}
+    for node in device_nodes(sandbox):
+        if found := by_number.get((node.major, node.minor)):
+            seen.setdefault(found[0], set()).add(found[1])
+    return seen
 
 
 def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
@@ -226,6 +269,31 @@ def assert_all_gpus_grantable(driver: Driver, after: str) -> None:
         finally:
             for closing in [pool.submit(sandbox.close) for sandbox in taken]:
                 closing.result()
+
+
+def expect_refusal(
+    driver: Driver,
+    create: Callable[[SandboxSpec], Sandbox],
+    spec: SandboxSpec,
+    error: type[RequestError],
+    *,
+    field: str,
+    value: str,
+) -> RequestError:
+    """``spec`` fails with ``error`` naming ``field`` and ``value``, and takes nothing.
+
+    Nothing: no sandbox of the session and no lease in the host registry is left behind.
+    """
+    __tracebackhide__ = True
+    before = driver.sandboxes(driver.session_id)
+    leases_before = driver.host.leases.leases()
+    with pytest.raises(error) as raised:
+        create(spec)
+    assert raised.value.field == field, f"the error names {raised.value.field!r}, not {field!r}"
+    assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
+    assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
+    assert driver.host.leases.leases() == leases_before, f"the refused {spec} left a lease"
+    return raised.value
 
 
 def uuids(sandbox: Sandbox) -> list[str]:

@@ -32,6 +32,7 @@ from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver, Sandbox
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import DEFAULT_SHARE_LIMIT
 from gpuhost.spec import SandboxSpec
 
 
@@ -86,6 +87,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Make a simulated GPU host of N GPUs for this run only (needs root), register its "
         "CDI spec in /var/run/cdi for the container engines, and remove both at the end. "
         "Concurrent runs each have their own.",
+    )
+    group.addoption(
+        "--sim-mig",
+        default="",
+        metavar="LAYOUT",
+        help="With --sim-gpus: put GPUs in MIG mode, e.g. 0:7x1g.10gb,1:3x2g.20gb "
+        "(GPU position:count x profile).",
+    )
+    group.addoption(
+        "--sim-dri",
+        default="",
+        metavar="LAYOUT",
+        help="With --sim-gpus: add AMD and Intel GPUs (DRI nodes), e.g. intel:1,amd:2.",
+    )
+    group.addoption(
+        "--gpu-share-limit",
+        type=int,
+        default=DEFAULT_SHARE_LIMIT,
+        metavar="N",
+        help=f"How many shared sandboxes may co-hold one GPU (default {DEFAULT_SHARE_LIMIT}).",
     )
     group.addoption(
         "--gpu-state-dir",
@@ -152,6 +173,8 @@ MARKERS = (
     "gpus(n): needs at least n GPUs on the host; skipped with the count found otherwise",
     "exclusive: checks that GPUs are not shared; not applicable to a driver that declares "
     "exclusive=False",
+    "shares_gpus: checks how shared GPUs are held; not applicable to a driver that declares "
+    "shared=False (GPU-SHARED-01 checks that it refuses them)",
     "workload: runs compute kernels inside the sandbox",
 )
 TEST_TIMEOUT_S = 900.0
@@ -174,7 +197,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if count is not None and not hasattr(config, "workerinput"):
         if settings.host_config.sim_root is not None:
             raise pytest.UsageError("--sim-gpus makes a simulated host: give it or --sim-root")
-        sim = _simulated_host_for_this_run(settings.session_id, count)
+        sim = _simulated_host_for_this_run(
+            settings.session_id, count, config.getoption("--sim-mig"), config.getoption("--sim-dri")
+        )
         config.add_cleanup(lambda: simulated.teardown(sim.root))
         settings.host_config = dataclasses.replace(settings.host_config, sim_root=sim.root)
     elif settings.host_config.sim_root is None and not hasattr(config, "workerinput"):
@@ -197,14 +222,24 @@ def _one_run_at_a_time(config: pytest.Config, state_dir: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
 
 
-def _simulated_host_for_this_run(session_id: str, count: int) -> simulated.SimulatedHost:
+def _simulated_host_for_this_run(
+    session_id: str, count: int, mig: str, dri: str
+) -> simulated.SimulatedHost:
     """A simulated host of the run's own under /run (a tmpfs), registered with the engines."""
     base = SIM_RUN_DIR if os.access(SIM_RUN_DIR.parent, os.W_OK) else Path(tempfile.gettempdir())
     registry = CDI_RUN_DIR if os.access(CDI_RUN_DIR.parent, os.W_OK) else None
     try:
-        return simulated.setup(base / f"run-{session_id}", count, cdi_dir=registry)
+        return simulated.setup(
+            base / f"run-{session_id}",
+            count,
+            registry,
+            simulated.parse_mig_layout(mig),
+            simulated.parse_dri_layout(dri),
+        )
     except simulated.SimulatedHostError as exc:
-        raise pytest.UsageError(f"--sim-gpus={count}: {exc}") from None
+        raise pytest.UsageError(
+            f"--sim-gpus={count} --sim-mig={mig!r} --sim-dri={dri!r}: {exc}"
+        ) from None
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -229,6 +264,7 @@ def _settings(config: pytest.Config) -> Settings:
         host_config=HostConfig(
             _worker_sim_root(config) or config.getoption("--sim-root"),
             config.getoption("--gpu-state-dir"),
+            config.getoption("--gpu-share-limit"),
         ),
         session_id=getattr(config, "workerinput", {}).get(_SESSION_KEY) or uuid.uuid4().hex[:16],
         image=config.getoption("--image"),
@@ -374,16 +410,21 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     driver: Driver = request.getfixturevalue("driver")
     if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
-        properties = request.node.user_properties
-        properties[:] = [(k, v) for k, v in properties if k != "level"]
-        properties.append(("level", "not applicable"))
-        pytest.skip(f"not applicable: the {driver.name} driver shares GPUs (exclusive=False)")
+        _not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
+    if request.node.get_closest_marker("shares_gpus") and not driver.capabilities.shared:
+        _not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
     marker = request.node.get_closest_marker("gpus")
     have = len(driver.inventory())
     if marker is not None and have < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
     yield
     driver.reap(driver.session_id)
+
+
+def _not_applicable(item: pytest.Item, why: str) -> None:
+    item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "level"]
+    item.user_properties.append(("level", "not applicable"))
+    pytest.skip(f"not applicable: {why}")
 
 
 class SandboxFactory:
@@ -522,7 +563,7 @@ def _skips_by_reason(terminalreporter: pytest.TerminalReporter) -> None:
     for report in terminalreporter.stats.get("skipped", []):
         reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
         reason = reason.removeprefix("Skipped: ")
-        if " does not apply to " in reason or "(exclusive=False)" in reason:
+        if " does not apply to " in reason or reason.startswith("not applicable: "):
             not_applicable += 1
         else:
             reasons[reason] += 1

@@ -77,12 +77,16 @@ def test_all_devices_only_when_asked_and_then_every_gpu(
     default.close()
     name = cdi.all_devices(engine.cdi_kind)
     everything = sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[name]))
-    assert sorted(uuids(everything)) == sorted(host_gpus), (
-        f"{name} should hold all {len(host_gpus)} GPUs; the driver reports {uuids(everything)}"
+    every_gpu = sorted(gpu.uuid for gpu in driver.host.gpus)  # those in MIG mode too
+    assert sorted(uuids(everything)) == every_gpu, (
+        f"{name} should hold all {len(every_gpu)} GPUs; the driver reports {uuids(everything)}"
     )
-    assert sorted(visible_gpu_uuids(everything)) == sorted(host_gpus)
+    assert sorted(visible_gpu_uuids(everything)) == every_gpu
     with pytest.raises(GpusExhausted):
         sandboxes(SandboxSpec.with_gpus())
+    for profile in sorted({mig.profile for mig in driver.host.mig_devices if mig.profile}):
+        with pytest.raises(GpusExhausted):  # every instance's GPU is held whole
+            sandboxes(SandboxSpec.with_gpus(driver=engine.name, block={"mig_profile": profile}))
 
 
 @pytest.mark.requirement("GPU-RECLAIM-03")

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import ClassVar
 
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice
+from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
 from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
@@ -199,7 +199,22 @@ class Driver(ABC):
 
     @abstractmethod
     def inventory(self) -> tuple[GpuDevice, ...]:
-        """The GPUs this driver can hand out, in PCI order."""
+        """The GPUs a default or count request chooses among, in PCI order."""
+
+    def exact_devices(self) -> tuple[GpuDevice, ...]:
+        """Every device an exact ID may name: the inventory, unless the driver takes more.
+
+        More: MIG instances, GPUs of other vendors, a GPU in MIG mode whole.
+        """
+        return self.inventory()
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        """The devices a count or default request of ``plan`` chooses among.
+
+        The inventory; a driver that serves ``mig_profile`` or ``vendor`` (see its
+        capabilities) chooses among what the plan names.
+        """
+        return self.inventory()
 
     @abstractmethod
     def start(self, launch: Launch) -> Sandbox:
@@ -273,13 +288,38 @@ class Driver(ABC):
         of one GPU). Raises before anything is taken.
         """
         plan = validate_gpu_request(spec, self.name, self.capabilities)
-        if plan is None or not plan.device_ids:
-            return plan
-        return dataclasses.replace(plan, gpus=self.resolve(plan))
+        if plan is None:
+            return None
+        if plan.device_ids:
+            return dataclasses.replace(plan, gpus=self.resolve(plan))
+        self.check_choice(plan)
+        return plan
+
+    def check_choice(self, plan: GpuPlan) -> None:
+        """A MIG profile or vendor that no device of this host has is refused, not exhausted."""
+        field = f"driver_config.{self.name}"
+        if plan.mig_profile is not None and not self.pool(plan):
+            profiles = sorted({gpu.profile for gpu in self.exact_devices() if gpu.profile})
+            raise UnsupportedGpuRequest(
+                f"{field}.mig_profile",
+                plan.mig_profile,
+                f"no MIG instance of this host has the profile {plan.mig_profile!r} "
+                f"({field}.mig_profile); its profiles: {', '.join(profiles) or 'none'}",
+            )
+        if plan.vendor is not None and not self.pool(plan):
+            vendors = sorted({gpu.vendor for gpu in self.exact_devices()})
+            raise UnsupportedGpuRequest(
+                f"{field}.vendor",
+                plan.vendor,
+                f"this host has no {plan.vendor} GPU ({field}.vendor); its GPUs are "
+                f"{', '.join(vendors) or 'none'}",
+            )
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
-        """Every exact ID this driver takes, with the GPUs it names: each GPU's own IDs."""
-        return {device_id: (gpu,) for gpu in self.inventory() for device_id in self.device_ids(gpu)}
+        """Every exact ID this driver takes, with the GPUs it names: each device's own IDs."""
+        return {
+            device_id: (gpu,) for gpu in self.exact_devices() for device_id in self.device_ids(gpu)
+        }
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         """Map a plan's exact IDs to host GPUs; unknown IDs, and IDs naming one GPU twice, fail."""
@@ -310,7 +350,14 @@ class Driver(ABC):
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         """Lease the plan's GPUs from the host registry, held by this process until started."""
         owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
-        return self.host.leases.acquire(self.inventory(), owner, count=plan.count, exact=plan.gpus)
+        return self.host.leases.acquire(
+            self.pool(plan),
+            owner,
+            count=plan.count,
+            exact=plan.gpus,
+            mode=plan.sharing,
+            share_limit=self.host.share_limit,
+        )
 
     def abandon(self, sandbox_id: str) -> None:
         """Give back a sandbox's GPUs after a failed start.

@@ -28,7 +28,7 @@ from typing import ClassVar, TypeVar
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Launch, Sandbox
 from gpuhost import cdi
-from gpuhost.devices import CDI_KIND, GpuDevice
+from gpuhost.devices import CDI_KIND, DeviceNode, GpuDevice
 from gpuhost.errors import (
     ExecTimeout,
     SandboxExecError,
@@ -37,7 +37,7 @@ from gpuhost.errors import (
 )
 from gpuhost.leases import Holder, LeaseRegistry
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
-from gpuhost.spec import DriverCapabilities, GpuPlan
+from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
 DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
@@ -71,6 +71,9 @@ class ContainerRequest:
     env: Mapping[str, str]
     keepalive: Path
     """A FIFO on the host, bound read-only at ``KEEPALIVE_PATH`` inside."""
+    device_nodes: tuple[DeviceNode, ...] = ()
+    """Nodes passed as they are, read-write at the same path: AMD and Intel GPUs' DRI nodes
+    (and /dev/kfd), as ROCm's and Intel's container guides pass them; NVIDIA's go by CDI."""
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,17 @@ class ContainerDriver(Driver):
     @property
     def capabilities(self) -> DriverCapabilities:
         return DriverCapabilities(
-            max_gpus_per_sandbox=len(self.host.gpus),
+            max_gpus_per_sandbox=len(self.host.devices),
             exact_ids=True,
             exact_id_forms=(
-                f"a CDI name: {self.cdi_kind}=<index>, {self.cdi_kind}=<UUID>, or "
-                f"{cdi.all_devices(self.cdi_kind)} for every GPU"
+                f"a CDI name: {self.cdi_kind}=<index>, {self.cdi_kind}=<UUID>, "
+                f"{self.cdi_kind}=<gpu>:<mig instance>, or {cdi.all_devices(self.cdi_kind)} "
+                "for every GPU; for AMD and Intel GPUs the PCI address or a DRI node's path"
             ),
             exclusive=True,
+            shared=True,
+            mig_profiles=True,
+            vendors=VENDORS,
         )
 
     # -- what each engine implements -----------------------------------------------------
@@ -217,7 +224,7 @@ class ContainerDriver(Driver):
                 "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
                 "use --sim-gpus=N for a simulated GPU host)",
             )
-        missing = registry.missing(self.host.gpus)
+        missing = registry.missing([*self.host.gpus, *self.host.mig_devices])
         if missing:
             hint = (
                 f"register the simulated host with `python -m gpuhost.simulated setup --root "
@@ -253,14 +260,26 @@ class ContainerDriver(Driver):
         return cdi.load(self.cdi_spec_dirs(), self.cdi_kind)
 
     def inventory(self) -> tuple[GpuDevice, ...]:
-        return self.host.gpus
+        return self.host.default_devices
+
+    def exact_devices(self) -> tuple[GpuDevice, ...]:
+        return self.host.devices
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return self.host.pool(plan.vendor, plan.mig_profile)
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        if gpu.vendor != "nvidia":
+            return (gpu.pci_bus_id, *(node.path for node in gpu.nodes if "/dri/" in node.path))
         return self.cdi_registry.names_of(gpu)
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
-        """Each GPU's CDI names, and ``<kind>=all`` for every GPU at once."""
-        return {**super().device_index(), cdi.all_devices(self.cdi_kind): self.inventory()}
+        """Each device's IDs, and ``<kind>=all`` for every NVIDIA GPU at once, whole.
+
+        Those in MIG mode too: the spec's ``all`` injects every GPU's node, as nvidia-ctk's
+        does, and a GPU held whole holds its MIG instances.
+        """
+        return {**super().device_index(), cdi.all_devices(self.cdi_kind): self.host.gpus}
 
     def start(self, launch: Launch) -> ContainerSandbox:
         """Create the container, hand it the leases, start it; leave none behind on failure.
@@ -273,6 +292,9 @@ class ContainerDriver(Driver):
         """
         keepalive = Keepalive.open(self.keepalive_dir() / f"{self.session_id}.{launch.sandbox_id}")
         devices = self.cdi_devices(launch.plan, launch.gpus)
+        nodes = tuple(
+            dict.fromkeys(n for gpu in launch.gpus if gpu.vendor != "nvidia" for n in gpu.nodes)
+        )
         request = ContainerRequest(
             name=f"gpu-sandbox-{launch.sandbox_id}",
             image=launch.spec.image or self.image or DEFAULT_IMAGE,
@@ -286,6 +308,7 @@ class ContainerDriver(Driver):
             cdi_devices=devices,
             env=dict(launch.env),
             keepalive=keepalive.path,
+            device_nodes=nodes,
         )
         try:
             container_id = self._create(request)
@@ -343,10 +366,19 @@ class ContainerDriver(Driver):
             self.host.leases.release(sandbox_id)
 
     def cdi_devices(self, plan: GpuPlan | None, gpus: Sequence[GpuDevice]) -> tuple[str, ...]:
-        """The CDI names to inject: the user's own when exact, else each GPU's first name."""
-        if plan is not None and plan.device_ids:
-            return plan.device_ids
-        return tuple(self.device_ids(gpu)[0] for gpu in gpus)
+        """The CDI names to inject for the NVIDIA devices.
+
+        The user's own names when exact (``=all`` among them), else each device's first name.
+        """
+        everything = cdi.all_devices(self.cdi_kind)
+        if plan is not None and everything in plan.device_ids:
+            return (everything,)
+        named = set(plan.device_ids) if plan is not None else set()
+        return tuple(
+            next((name for name in self.device_ids(gpu) if name in named), self.device_ids(gpu)[0])
+            for gpu in gpus
+            if gpu.vendor == "nvidia"
+        )
 
     def keepalive_dir(self) -> Path:
         return self.host.leases.directory / "keepalive"

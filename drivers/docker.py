@@ -82,6 +82,7 @@ class DockerDriver(ContainerDriver):
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             device_requests=devices if request.cdi_devices else None,
+            devices=[f"{node.source}:{node.path}:rwm" for node in request.device_nodes] or None,
             mounts=[Mount(KEEPALIVE_PATH, str(request.keepalive), type="bind", read_only=True)],
         )
         created = api.create_container(

@@ -73,7 +73,10 @@ class PodmanDriver(ContainerDriver):
             network_mode="none",
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
-            devices=list(request.cdi_devices),
+            devices=[
+                *request.cdi_devices,
+                *(f"{node.source}:{node.path}:rwm" for node in request.device_nodes),
+            ],
             mounts=[
                 {
                     "type": "bind",

@@ -42,7 +42,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from gpuhost.leases import Holder, LeaseRegistry, process_start_time
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
-from gpuhost.spec import DriverCapabilities
+from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
 START_TIMEOUT_S = 10.0
@@ -126,10 +126,16 @@ class ReferenceDriver(Driver):
     @property
     def capabilities(self) -> DriverCapabilities:
         return DriverCapabilities(
-            max_gpus_per_sandbox=len(self.host.gpus),
+            max_gpus_per_sandbox=len(self.host.devices),
             exact_ids=True,
-            exact_id_forms="a host index, a UUID (GPU-...) or a CDI name (nvidia.com/gpu=...)",
+            exact_id_forms=(
+                "a host index, a UUID (GPU-..., MIG-...), a CDI name (nvidia.com/gpu=...), or "
+                "the PCI address of an AMD or Intel GPU"
+            ),
             exclusive=True,
+            shared=True,
+            mig_profiles=True,
+            vendors=VENDORS,
         )
 
     def probe(self) -> Availability:
@@ -180,9 +186,19 @@ class ReferenceDriver(Driver):
         return result.stdout.strip() if result.returncode == 0 else ""
 
     def inventory(self) -> tuple[GpuDevice, ...]:
-        return self.host.gpus
+        return self.host.default_devices
+
+    def exact_devices(self) -> tuple[GpuDevice, ...]:
+        return self.host.devices
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return self.host.pool(plan.vendor, plan.mig_profile)
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        if gpu.is_mig:
+            return (gpu.uuid, *gpu.cdi_names)
+        if gpu.vendor != "nvidia":
+            return (gpu.pci_bus_id, gpu.uuid)
         return (str(gpu.index), gpu.uuid, *gpu.cdi_names)
 
     def start(self, launch: Launch) -> ReferenceSandbox:
@@ -298,11 +314,12 @@ class ReferenceDriver(Driver):
         for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
             if not _under_system_dirs(prefix):
                 argv += ["--ro-bind", str(prefix), str(prefix)]
-        # Device binds come after `--dev /dev`, which would otherwise hide them.
-        if gpus:
-            for node in [*self.host.control_nodes, *(n for gpu in gpus for n in gpu.nodes)]:
-                argv += ["--dev-bind", node.source, node.path]
-        argv += _real_gpu_masks(self.host.gpus, gpus)
+        # Device binds come after `--dev /dev`, which would otherwise hide them. NVIDIA's
+        # control nodes go with NVIDIA devices; a node two devices share is bound once.
+        control = self.host.control_nodes if any(g.vendor == "nvidia" for g in gpus) else ()
+        for node in dict.fromkeys([*control, *(n for gpu in gpus for n in gpu.nodes)]):
+            argv += ["--dev-bind", node.source, node.path]
+        argv += _real_gpu_masks(self.host.devices, gpus)
         return [*argv, "--remount-ro", "/"]
 
     def root_argv(self) -> list[str]:
@@ -444,15 +461,16 @@ def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -
     Sysfs matters beyond information: a GPU's ``resource*`` files map its registers.
     """
     argv = []
+    buses = {gpu.pci_bus_id for gpu in given}  # a MIG instance's is its GPU's
     if _PROC_NVIDIA_GPUS.is_dir():
         argv += ["--tmpfs", str(_PROC_NVIDIA_GPUS)]
-        for gpu in given:
-            entry = _PROC_NVIDIA_GPUS / gpu.pci_bus_id
+        for bus in sorted(buses):
+            entry = _PROC_NVIDIA_GPUS / bus
             if entry.exists():
                 argv += ["--ro-bind", str(entry), str(entry)]
-    for gpu in all_gpus:
-        device = _SYSFS_PCI_DEVICES / gpu.pci_bus_id
-        if gpu not in given and device.exists():
+    for bus in sorted({gpu.pci_bus_id for gpu in all_gpus} - buses):
+        device = _SYSFS_PCI_DEVICES / bus
+        if device.exists():
             argv += ["--tmpfs", str(device.resolve())]
     return argv
 

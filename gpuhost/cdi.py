@@ -30,6 +30,10 @@ def all_devices(kind: str = CDI_KIND) -> str:
 
 
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+_CAP_NODE = re.compile(r"^/dev/nvidia-caps/nvidia-cap(\d+)$")
+NodeKey = tuple[str, int]
+"""What identifies a node of a device: ``("gpu", minor)`` for /dev/nvidia<minor>,
+``("cap", minor)`` for a MIG instance's /dev/nvidia-caps/nvidia-cap<minor>."""
 _FIRST_CONTROL_MINOR = 254
 """nvidia-modeset (254) and nvidiactl (255) share the GPUs' major; they are not GPUs."""
 
@@ -38,8 +42,8 @@ _FIRST_CONTROL_MINOR = 254
 class CdiRegistry:
     """The devices of one kind in the specs of some directories, by GPU node minor."""
 
-    devices: dict[str, frozenset[int]] = field(default_factory=dict)
-    """Fully qualified CDI name → minors of the NVIDIA GPU nodes it injects."""
+    devices: dict[str, frozenset[NodeKey]] = field(default_factory=dict)
+    """Fully qualified CDI name → the GPU and MIG capability nodes it injects."""
     sources: dict[str, frozenset[str]] = field(default_factory=dict)
     """Fully qualified CDI name → the host paths of those nodes, where the spec gives them."""
     problems: tuple[str, ...] = ()
@@ -55,15 +59,18 @@ class CdiRegistry:
     def names_of(self, gpu: GpuDevice) -> tuple[str, ...]:
         """Every name that injects exactly ``gpu``: by index first, as nvidia-ctk writes them.
 
-        A name whose node comes from another host path (another simulated host's spec) is
-        not this GPU's, however equal the minor.
+        A MIG instance's name injects its GPU's node and its own capability nodes, so it is
+        never taken for the whole GPU. A name whose node comes from another host path
+        (another simulated host's spec) is not this device's, however equal the minor.
         """
         own = {node.source for node in gpu.nodes}
+        keys = frozenset(key for node in gpu.nodes if (key := node_key(node.path)) is not None)
         return tuple(
             name
-            for name, minors in self.devices.items()
+            for name, injected in self.devices.items()
             if name != self.all_devices
-            and minors == {gpu.minor}
+            and keys
+            and injected == keys
             and self.sources.get(name, frozenset()) <= own
         )
 
@@ -72,12 +79,21 @@ class CdiRegistry:
         return [gpu for gpu in gpus if not self.names_of(gpu)]
 
 
+def node_key(path: str) -> NodeKey | None:
+    """What a node path identifies: an NVIDIA GPU's minor, or a MIG capability's."""
+    if match := _GPU_NODE.match(path):
+        return ("gpu", int(match.group(1)))
+    if match := _CAP_NODE.match(path):
+        return ("cap", int(match.group(1)))
+    return None
+
+
 def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) -> CdiRegistry:
     """Read every ``*.yaml``/``*.json`` spec of ``kind`` in ``spec_dirs``.
 
     As in the CDI library, a later directory overrides an earlier one for the same name.
     """
-    devices: dict[str, frozenset[int]] = {}
+    devices: dict[str, frozenset[NodeKey]] = {}
     sources: dict[str, frozenset[str]] = {}
     problems = []
     spec_dirs = tuple(spec_dirs)
@@ -95,7 +111,7 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) ->
                 for device in spec.get("devices") or []:
                     nodes = common | _gpu_nodes(device.get("containerEdits") or {})
                     name = f"{kind}={device.get('name')}"
-                    devices[name] = frozenset(minor for minor, _ in nodes)
+                    devices[name] = frozenset(key for key, _ in nodes)
                     sources[name] = frozenset(source for _, source in nodes if source)
             except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as exc:
                 problems.append(f"{path}: {type(exc).__name__}: {exc}")
@@ -110,21 +126,24 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _gpu_nodes(edits: dict[str, Any]) -> set[tuple[int, str]]:
-    """(minor, host path or "") of each NVIDIA GPU node the edits inject."""
+def _gpu_nodes(edits: dict[str, Any]) -> set[tuple[NodeKey, str]]:
+    """(what it identifies, host path or "") of each GPU or MIG capability node of the edits."""
     nodes = set()
     for node in edits.get("deviceNodes") or []:
-        minor = node.get("minor")
-        source = str(node.get("hostPath") or node.get("path") or "")
+        path, minor = str(node.get("path", "")), node.get("minor")
+        source = str(node.get("hostPath") or path)
+        key = node_key(path)
         if node.get("major") == NVIDIA_MAJOR and isinstance(minor, int):
-            if minor < _FIRST_CONTROL_MINOR:
-                nodes.add((minor, source))
-        elif match := _GPU_NODE.match(str(node.get("path", ""))):
-            nodes.add((int(match.group(1)), source))
+            # The numbers decide, whatever the path: a GPU node renamed is still that GPU.
+            key = ("gpu", minor) if minor < _FIRST_CONTROL_MINOR else None
+        if key is not None:
+            nodes.add((key, source))
     return nodes
 
 
-def _index_names_first(devices: dict[str, frozenset[int]]) -> dict[str, frozenset[int]]:
+def _index_names_first(
+    devices: dict[str, frozenset[NodeKey]],
+) -> dict[str, frozenset[NodeKey]]:
     def key(name: str) -> tuple[bool, int, str]:
         suffix = name.partition("=")[2]
         return (not suffix.isdigit(), int(suffix) if suffix.isdigit() else 0, suffix)

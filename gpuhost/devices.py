@@ -64,13 +64,35 @@ class GpuDevice:
     minor: int | None = None
     nodes: tuple[DeviceNode, ...] = field(default=())
     cdi_kind: str = CDI_KIND
+    parent_uuid: str | None = None
+    """A MIG instance's GPU; ``index`` is then that GPU's index."""
+    mig_index: int | None = None
+    """A MIG instance's number among its GPU's instances, as nvidia-smi -L and CDI count."""
+    profile: str = ""
+    """A MIG instance's profile, e.g. ``1g.10gb``."""
+    mig_enabled: bool = False
+    """A GPU in MIG mode: counts hand out its instances, not the GPU whole."""
+
+    @property
+    def is_mig(self) -> bool:
+        return self.parent_uuid is not None
 
     @property
     def cdi_names(self) -> tuple[str, ...]:
-        """The CDI device names an nvidia-ctk spec gives this GPU: by index and by UUID."""
-        return (f"{self.cdi_kind}={self.index}", f"{self.cdi_kind}={self.uuid}")
+        """The CDI device names an nvidia-ctk spec gives this device: by index and by UUID.
+
+        A MIG instance's index is ``<gpu>:<instance>``; GPUs of other vendors have none.
+        """
+        if self.vendor != "nvidia":
+            return ()
+        index = f"{self.index}:{self.mig_index}" if self.is_mig else str(self.index)
+        return (f"{self.cdi_kind}={index}", f"{self.cdi_kind}={self.uuid}")
 
     def describe(self) -> str:
+        if self.is_mig:
+            return f"MIG {self.profile} device {self.mig_index} of GPU {self.index} ({self.uuid})"
+        if self.vendor != "nvidia":
+            return f"{self.vendor} GPU {self.index} ({self.uuid}, {self.pci_bus_id})"
         return f"GPU {self.index} ({self.uuid}, {self.pci_bus_id})"
 
 

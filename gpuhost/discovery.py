@@ -8,6 +8,7 @@ so that recorded command output can be tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Final
+from typing import Any, Final
 
 from gpuhost.devices import (
     NVIDIA_MAJOR,
@@ -54,10 +55,13 @@ def _text(value: object) -> str:
 
 
 def from_nvml() -> tuple[GpuDevice, ...]:
-    """The GPUs NVML reports, in NVML's index order (which is PCI bus order, like nvidia-smi).
+    """The GPUs NVML reports, then the MIG instances of those in MIG mode.
 
-    Raises ``SourceNotFound`` when pynvml or libnvidia-ml.so.1 is missing, and
-    ``DiscoveryError`` for any other NVML failure (driver not loaded, GPU lost, ...).
+    GPUs come in NVML's index order, which is PCI bus order, like nvidia-smi's. A MIG
+    instance's nodes are its GPU's and the nvidia-caps nodes of its GPU and compute
+    instances (minors from /proc/driver/nvidia-caps/mig-minors). Raises ``SourceNotFound``
+    when pynvml or libnvidia-ml.so.1 is missing, and ``DiscoveryError`` for any other NVML
+    failure (driver not loaded, GPU lost, ...).
     """
     try:
         import pynvml
@@ -70,6 +74,7 @@ def from_nvml() -> tuple[GpuDevice, ...]:
     except pynvml.NVMLError as exc:
         raise DiscoveryError(f"NVML: nvmlInit failed: {exc}") from exc
     gpus: list[GpuDevice] = []
+    migs: list[GpuDevice] = []
     try:
         for index in range(int(pynvml.nvmlDeviceGetCount())):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -90,11 +95,97 @@ def from_nvml() -> tuple[GpuDevice, ...]:
                     nodes=nvidia_nodes(minor),
                 )
             )
+            instances = _nvml_mig_instances(pynvml, handle, gpus[-1])
+            if instances:
+                gpus[-1] = replace(gpus[-1], mig_enabled=True)
+                migs += instances
     except pynvml.NVMLError as exc:
         raise DiscoveryError(f"NVML failed after {len(gpus)} GPU(s): {exc}") from exc
     finally:
         pynvml.nvmlShutdown()
-    return tuple(gpus)
+    return (*gpus, *migs)
+
+
+def _nvml_mig_instances(pynvml: Any, handle: Any, gpu: GpuDevice) -> list[GpuDevice]:
+    """The MIG instances of ``gpu``: none unless it is in MIG mode."""
+    try:
+        current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError_NotSupported:
+        return []
+    if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+        return []
+    minors = parse_mig_minors(_read_or_empty(MIG_MINORS))
+    caps_major = char_device_major("nvidia-caps")
+    instances: list[GpuDevice] = []
+    for slot in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except pynvml.NVMLError_NotFound:
+            continue  # an empty slot
+        gi = int(pynvml.nvmlDeviceGetGpuInstanceId(mig))
+        ci = int(pynvml.nvmlDeviceGetComputeInstanceId(mig))
+        name = _text(pynvml.nvmlDeviceGetName(mig))
+        instances.append(
+            replace(
+                gpu,
+                uuid=_text(pynvml.nvmlDeviceGetUUID(mig)),
+                name=name,
+                memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(mig).total) // MIB,
+                nodes=gpu.nodes + mig_cap_nodes(gpu.minor, gi, ci, minors, caps_major),
+                parent_uuid=gpu.uuid,
+                mig_index=len(instances),
+                profile=name.rpartition("MIG ")[2],
+            )
+        )
+    return instances
+
+
+MIG_MINORS: Final = Path("/proc/driver/nvidia-caps/mig-minors")
+PROC_DEVICES: Final = Path("/proc/devices")
+
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """``gpu0/gi1/access 12`` lines of /proc/driver/nvidia-caps/mig-minors, by capability."""
+    minors = {}
+    for line in text.splitlines():
+        name, _, minor = line.strip().rpartition(" ")
+        if name and minor.isdigit():
+            minors[name] = int(minor)
+    return minors
+
+
+def mig_cap_nodes(
+    gpu_minor: int | None, gi: int, ci: int, minors: Mapping[str, int], caps_major: int | None
+) -> tuple[DeviceNode, ...]:
+    """The nvidia-caps nodes a MIG instance needs: its GPU instance's and compute instance's."""
+    if gpu_minor is None or caps_major is None:
+        return ()
+    names = (f"gpu{gpu_minor}/gi{gi}/access", f"gpu{gpu_minor}/gi{gi}/ci{ci}/access")
+    return tuple(
+        DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minors[name]}", caps_major, minors[name])
+        for name in names
+        if name in minors
+    )
+
+
+def char_device_major(name: str, proc_devices: Path = PROC_DEVICES) -> int | None:
+    """The major number the kernel gave the character device driver ``name``, if loaded."""
+    in_char = False
+    for line in _read_or_empty(proc_devices).splitlines():
+        if line.startswith("Character devices:"):
+            in_char = True
+        elif line.startswith("Block devices:"):
+            in_char = False
+        elif in_char and line.split()[1:2] == [name]:
+            return int(line.split()[0])
+    return None
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 # --- nvidia-smi ----------------------------------------------------------------------------
@@ -350,6 +441,29 @@ def pci_gpus(
     return sorted_by_pci(gpus)
 
 
+def discover_dri(
+    sysfs_root: Path = SYSFS_PCI_DEVICES, by_path: Path = DRI_BY_PATH, kfd: Path = Path("/dev/kfd")
+) -> tuple[GpuDevice, ...]:
+    """The AMD and Intel GPUs of the PCI bus with their DRI nodes, in PCI order.
+
+    Each vendor's are numbered from 0, as its tools number them. An AMD GPU's nodes
+    include /dev/kfd, the compute interface every AMD GPU shares.
+    """
+    dri = dri_nodes_by_pci(by_path)
+    kfd_nodes: tuple[DeviceNode, ...] = ()
+    with contextlib.suppress(OSError):
+        rdev = kfd.stat().st_rdev
+        kfd_nodes = (DeviceNode(str(kfd), os.major(rdev), os.minor(rdev)),)
+    devices = from_sysfs(sysfs_root)
+    found = []
+    for vendor in ("amd", "intel"):
+        for gpu in pci_gpus(devices, dri, vendor=vendor):
+            if gpu.nodes:  # a GPU without a loaded driver has no nodes to hand out
+                extra = kfd_nodes if vendor == "amd" else ()
+                found.append(replace(gpu, nodes=gpu.nodes + extra))
+    return tuple(sorted(found, key=lambda gpu: gpu.pci_bus_id))
+
+
 # --- /proc/driver/nvidia -------------------------------------------------------------------
 
 
@@ -372,7 +486,7 @@ def discover_nvidia(
     sysfs_root: Path = SYSFS_PCI_DEVICES,
     dri_by_path: Path = DRI_BY_PATH,
 ) -> tuple[GpuDevice, ...]:
-    """NVIDIA GPUs from NVML, else from nvidia-smi; empty on a host without the NVIDIA driver.
+    """NVIDIA GPUs and MIG instances from NVML, else GPUs from nvidia-smi; () without a driver.
 
     Each GPU's nodes are its ``/dev/nvidia<minor>`` and, for a GPU with a display engine,
     its DRI card and render nodes (``/dev/dri/by-path``), as nvidia-ctk's CDI specs give them.
@@ -394,7 +508,10 @@ def discover_nvidia(
             failures.append(exc)
             continue
         dri = dri_nodes_by_pci(dri_by_path)
-        return tuple(replace(gpu, nodes=gpu.nodes + dri.get(gpu.pci_bus_id, ())) for gpu in found)
+        return tuple(
+            gpu if gpu.is_mig else replace(gpu, nodes=gpu.nodes + dri.get(gpu.pci_bus_id, ()))
+            for gpu in found
+        )
     if not failures:
         return ()
     waiting = [

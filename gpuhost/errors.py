@@ -36,6 +36,10 @@ class InvalidGpuCount(InvalidGpuRequest):
     """``resource_requirements.gpu.count`` is not a positive integer."""
 
 
+class InvalidGpuSharing(InvalidGpuRequest):
+    """``resource_requirements.gpu.sharing`` is neither ``exclusive`` nor ``shared``."""
+
+
 class DuplicateGpuDevice(InvalidGpuRequest):
     """The same device is named twice in ``gpu_device_ids``."""
 
@@ -63,10 +67,10 @@ class GpuAllocationError(DriverError):
 class GpusExhausted(GpuAllocationError):
     """Fewer GPUs are free than were requested."""
 
-    def __init__(self, requested: int, available: int, total: int) -> None:
+    def __init__(self, requested: int, available: int, total: int, why: str = "") -> None:
         super().__init__(
             f"GPU sandbox requested {requested} GPUs, but only {available} selectable "
-            f"of {total} devices are available"
+            f"of {total} devices are available" + (f" ({why})" if why else "")
         )
         self.requested = requested
         self.available = available

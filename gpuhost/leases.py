@@ -20,9 +20,10 @@ client in any language (gpuhost/gpu-lease is one in POSIX sh with flock(1) and j
 Checks that ask a container engine run outside the lock, bounded by their own timeouts, so
 a hung engine delays only the request that needs its verdict, never the host's other grants.
 
-Selection is deterministic: the lowest free GPUs in PCI order. Every lease is exclusive
-today; ``mode`` is recorded per lease so a later shared mode only has to change
-``_conflicts``.
+Selection is deterministic: the lowest free GPUs in PCI order. A lease is ``exclusive`` (no
+other lease on the GPU) or ``shared`` (co-held with other shared leases only, up to a
+per-GPU limit); a MIG instance and its GPU are one device for this purpose: while any of a
+GPU's instances is leased the GPU is busy, and the other way round.
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ from typing import Any
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
 
-EXCLUSIVE = "exclusive"
-FORMAT_VERSION = 2
-"""Version 2 adds ``boot_id``; version 1 files (no boot id) are read as this boot's."""
+EXCLUSIVE, SHARED = "exclusive", "shared"
+DEFAULT_SHARE_LIMIT = 4
+"""How many shared sandboxes may co-hold one GPU, unless a host says otherwise."""
+FORMAT_VERSION = 3
+"""Version 2 adds ``boot_id``; version 3 a lease's ``parent_uuid`` (a MIG instance's GPU) and
+``share_limit``. Older files are read as this boot's and written back as version 3."""
 LEASE_FILE = "leases.json"
 PROCESS = "process"
 LIVENESS_ENTRY_POINTS = "gpu_sandbox.liveness"
@@ -82,9 +86,16 @@ class Lease:
     holder: Holder
     mode: str = EXCLUSIVE
     acquired_at: float = 0.0
+    parent_uuid: str | None = None
+    """The GPU of a leased MIG instance: leasing it makes the GPU busy too."""
+    share_limit: int | None = None
+    """For a shared lease: how many shared leases the GPU may hold at once, by its taker."""
 
     def describe(self) -> str:
-        return f"sandbox {self.sandbox_id} of the {self.driver} driver, held by {self.holder}"
+        shared = " (shared)" if self.mode == SHARED else ""
+        return (
+            f"sandbox {self.sandbox_id} of the {self.driver} driver{shared}, held by {self.holder}"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +185,13 @@ class LeaseRegistry:
         *,
         count: int = 0,
         exact: Sequence[GpuDevice] = (),
+        mode: str = EXCLUSIVE,
+        share_limit: int = DEFAULT_SHARE_LIMIT,
     ) -> tuple[GpuDevice, ...]:
-        """Grant ``exact`` devices, or else the ``count`` lowest free ones, atomically.
+        """Grant ``exact`` devices, or else ``count`` of ``inventory``, atomically.
+
+        Exclusive requests take the lowest free devices; shared ones fill the lowest GPUs
+        already shared (with room under the limit) before they take a free one.
 
         When a grant fails on leases whose holders only a container engine can judge, they
         are judged outside the lock and the grant is tried again without the dead ones.
@@ -184,15 +200,16 @@ class LeaseRegistry:
         while True:
             with self._locked(drop=dead) as leases:
                 try:
-                    granted = _grant(leases, inventory, count, exact)
+                    granted = _grant(leases, inventory, count, exact, mode, share_limit)
                 except GpuAllocationError as exc:
                     refusal = exc
                     suspects = [x for x in leases if x.holder.kind != PROCESS and x not in dead]
                 else:
                     now = time.time()
+                    limit = share_limit if mode == SHARED else None
                     leases.extend(
                         Lease(gpu.uuid, owner.driver, owner.sandbox_id, owner.session_id,
-                              owner.holder, EXCLUSIVE, now)
+                              owner.holder, mode, now, gpu.parent_uuid, limit)
                         for gpu in granted
                     )  # fmt: skip
                     return granted
@@ -354,23 +371,61 @@ def _grant(
     inventory: Sequence[GpuDevice],
     count: int,
     exact: Sequence[GpuDevice],
+    mode: str,
+    share_limit: int,
 ) -> tuple[GpuDevice, ...]:
     """What a request gets given ``leases``, or the error that refuses it."""
-    held = {lease.gpu_uuid: lease for lease in leases}
     if exact:
         for gpu in exact:
-            if _conflicts(held.get(gpu.uuid), EXCLUSIVE):
-                raise GpuBusy(gpu.describe(), held[gpu.uuid].describe())
+            reason = _blocked(gpu, mode, leases, share_limit)
+            if reason:
+                raise GpuBusy(gpu.describe(), reason)
         return tuple(exact)
-    free = [gpu for gpu in inventory if not _conflicts(held.get(gpu.uuid), EXCLUSIVE)]
-    if len(free) < count:
-        raise GpusExhausted(count, len(free), len(inventory))
-    return tuple(free[:count])
+    open_ = [gpu for gpu in inventory if not _blocked(gpu, mode, leases, share_limit)]
+    if mode == SHARED:  # fill the GPUs already shared before taking free ones
+        open_.sort(key=lambda gpu: not _related(gpu, leases))
+    if len(open_) < count:
+        held = [gpu for gpu in inventory if _related(gpu, leases)]
+        shared = [gpu for gpu in held if all(x.mode == SHARED for x in _related(gpu, leases))]
+        raise GpusExhausted(
+            count,
+            len(open_),
+            len(inventory),
+            f"{mode}; {len(held) - len(shared)} held exclusively, {len(shared)} shared"
+            + (f" (at most {share_limit} sandboxes each)" if mode == SHARED else ""),
+        )
+    return tuple(open_[:count])
 
 
-def _conflicts(existing: Lease | None, mode: str) -> bool:
-    # Exclusive is the only mode today: any existing lease conflicts.
-    return existing is not None
+def _related(gpu: GpuDevice, leases: Sequence[Lease]) -> list[Lease]:
+    """The leases on ``gpu``, on its MIG instances, or on the GPU it is an instance of."""
+    return [
+        lease
+        for lease in leases
+        if lease.gpu_uuid == gpu.uuid
+        or lease.parent_uuid == gpu.uuid
+        or (gpu.parent_uuid is not None and lease.gpu_uuid == gpu.parent_uuid)
+    ]
+
+
+def _blocked(gpu: GpuDevice, mode: str, leases: Sequence[Lease], share_limit: int) -> str:
+    """Why ``gpu`` cannot be granted in ``mode``: the holder, and how it holds it; "" if it can.
+
+    A shared request may join shared leases of the very same device while they are fewer
+    than the smallest limit any of them (or it) was taken with.
+    """
+    related = _related(gpu, leases)
+    if not related:
+        return ""
+    if mode == SHARED and all(x.mode == SHARED and x.gpu_uuid == gpu.uuid for x in related):
+        limit = min([share_limit, *(x.share_limit or share_limit for x in related)])
+        if len(related) < limit:
+            return ""
+        return f"shared by {len(related)} sandboxes, its limit: {related[0].describe()}"
+    first = related[0]
+    how = "shared" if first.mode == SHARED else "held exclusively"
+    what = "" if first.gpu_uuid == gpu.uuid else f" through {first.gpu_uuid}"
+    return f"{how}{what} by {first.describe()}"
 
 
 def lease_to_dict(lease: Lease) -> dict[str, Any]:
@@ -383,6 +438,8 @@ def lease_to_dict(lease: Lease) -> dict[str, Any]:
         "holder": {"kind": lease.holder.kind, "ref": lease.holder.ref},
         "mode": lease.mode,
         "acquired_at": lease.acquired_at,
+        **({"parent_uuid": lease.parent_uuid} if lease.parent_uuid else {}),
+        **({"share_limit": lease.share_limit} if lease.share_limit else {}),
     }
 
 

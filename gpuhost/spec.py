@@ -30,15 +30,23 @@ from gpuhost.errors import (
     InvalidDriverConfig,
     InvalidGpuCount,
     InvalidGpuRequest,
+    InvalidGpuSharing,
     UnsupportedGpuRequest,
 )
 
 DEFAULT_GPU_COUNT = 1
+EXCLUSIVE, SHARED = "exclusive", "shared"
+SHARING_MODES = (EXCLUSIVE, SHARED)
+VENDORS = ("nvidia", "amd", "intel")
 DEVICE_IDS_KEY = "gpu_device_ids"
+MIG_PROFILE_KEY = "mig_profile"
+VENDOR_KEY = "vendor"
 # Upstream renamed the docker/podman key; both spellings are accepted there.
 DEVICE_IDS_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"docker": ("cdi_devices",), "podman": ("cdi_devices",)}
 )
+CHOICE_KEYS = (MIG_PROFILE_KEY, VENDOR_KEY)
+"""Keys of a driver's block that pick what counts and defaults choose among."""
 _SPEC_KEYS = frozenset({"image", "env", "resource_requirements", "driver_config"})
 
 
@@ -51,6 +59,9 @@ class GpuRequest:
     """
 
     count: Any = None
+    sharing: Any = None
+    """``exclusive`` (the default: no other sandbox on the GPU) or ``shared`` (co-held with
+    other shared sandboxes only, up to the host's limit); kept as written, checked later."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +83,17 @@ class SandboxSpec:
         driver: str | None = None,
         device_ids: list[str] | None = None,
         image: str | None = None,
+        sharing: str | None = None,
+        block: Mapping[str, Any] | None = None,
     ) -> SandboxSpec:
-        """A GPU request, optionally with exact IDs for ``driver`` (a convenience for tests)."""
-        config = {driver: {DEVICE_IDS_KEY: device_ids}} if driver and device_ids is not None else {}
-        return cls(image=image, gpu=GpuRequest(count), driver_config=_freeze(config))
+        """A GPU request, optionally with exact IDs or another ``block`` for ``driver``.
+
+        A convenience for tests.
+        """
+        config: dict[str, Any] = {driver: dict(block or {})} if driver and block else {}
+        if driver and device_ids is not None:
+            config.setdefault(driver, {})[DEVICE_IDS_KEY] = device_ids
+        return cls(image=image, gpu=GpuRequest(count, sharing), driver_config=_freeze(config))
 
     def to_dict(self) -> dict[str, Any]:
         """The user-facing shape that ``parse_spec`` reads back into an equal spec."""
@@ -84,6 +102,8 @@ class SandboxSpec:
             data["image"] = self.image
         if self.gpu is not None:
             gpu = {} if self.gpu.count is None else {"count": self.gpu.count}
+            if self.gpu.sharing is not None:
+                gpu["sharing"] = self.gpu.sharing
             data["resource_requirements"] = {"gpu": gpu}
         if self.driver_config:
             data["driver_config"] = _thawed(self.driver_config)
@@ -99,6 +119,12 @@ class DriverCapabilities:
     exact_id_forms: str = ""
     """Human-readable native forms accepted in ``gpu_device_ids``, for error messages."""
     exclusive: bool = True
+    shared: bool = False
+    """It can serve ``sharing: shared`` requests (co-held GPUs, time-sliced)."""
+    mig_profiles: bool = False
+    """It can serve ``driver_config.<driver>.mig_profile`` (counts of MIG instances)."""
+    vendors: tuple[str, ...] = ("nvidia",)
+    """The GPU vendors it can inject."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +138,11 @@ class GpuPlan:
     device_ids: tuple[str, ...] = ()
     field: str = "resource_requirements.gpu"
     gpus: tuple[GpuDevice, ...] = ()
+    sharing: str = EXCLUSIVE
+    mig_profile: str | None = None
+    """Counts and defaults pick instances of this MIG profile, not whole GPUs."""
+    vendor: str | None = None
+    """Counts and defaults pick GPUs of this vendor; None: the host's default vendor."""
 
 
 def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
@@ -166,7 +197,9 @@ def validate_gpu_request(
     drivers is refused: those devices would otherwise be dropped silently.
     """
     ids_field, device_ids = _active_device_ids(spec, driver)
+    profile, vendor = _active_choice(spec, driver, device_ids)
     count = None if spec.gpu is None else _checked_count(spec.gpu.count)
+    sharing = EXCLUSIVE if spec.gpu is None else _checked_sharing(spec.gpu.sharing)
 
     if count is not None and count > caps.max_gpus_per_sandbox:
         raise UnsupportedGpuRequest(
@@ -189,9 +222,32 @@ def validate_gpu_request(
             f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
             f"{caps.max_gpus_per_sandbox} per sandbox",
         )
-
+    if sharing == SHARED and not caps.shared:
+        raise UnsupportedGpuRequest(
+            "resource_requirements.gpu.sharing",
+            sharing,
+            f"the {driver} driver does not share GPUs; resource_requirements.gpu.sharing = "
+            f"{sharing!r}: ask for an exclusive GPU",
+        )
+    prefix = f"driver_config.{driver}"
+    if profile is not None and not caps.mig_profiles:
+        raise UnsupportedGpuRequest(
+            f"{prefix}.{MIG_PROFILE_KEY}",
+            profile,
+            f"the {driver} driver does not hand out MIG instances by profile; "
+            f"{prefix}.{MIG_PROFILE_KEY} = {profile!r}",
+        )
+    if vendor is not None and vendor not in caps.vendors:
+        raise UnsupportedGpuRequest(
+            f"{prefix}.{VENDOR_KEY}",
+            vendor,
+            f"the {driver} driver injects {', '.join(caps.vendors)} GPUs, not {vendor!r} "
+            f"({prefix}.{VENDOR_KEY})",
+        )
     if device_ids is None:
-        return None if count is None else GpuPlan(count=count)
+        if count is None:
+            return None
+        return GpuPlan(count=count, sharing=sharing, mig_profile=profile, vendor=vendor)
     if spec.gpu is None:
         raise GpuDevicesWithoutRequest(
             ids_field,
@@ -212,7 +268,7 @@ def validate_gpu_request(
             list(device_ids),
             f"gpu count ({count}) must match {ids_field} length ({len(device_ids)})",
         )
-    return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field)
+    return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field, sharing=sharing)
 
 
 def _parse_gpu(requirements: object) -> GpuRequest | None:
@@ -234,8 +290,8 @@ def _parse_gpu(requirements: object) -> GpuRequest | None:
             gpu,
             f"resource_requirements.gpu must be an object, got {_kind(gpu)}: {gpu!r}",
         )
-    _reject_unknown_keys("resource_requirements.gpu", gpu, {"count"}, InvalidGpuRequest)
-    return GpuRequest(gpu.get("count"))
+    _reject_unknown_keys("resource_requirements.gpu", gpu, {"count", "sharing"}, InvalidGpuRequest)
+    return GpuRequest(gpu.get("count"), gpu.get("sharing"))
 
 
 def _checked_count(count: Any) -> int:
@@ -255,6 +311,60 @@ def _checked_count(count: Any) -> int:
             f"gpu count must be greater than 0, got {count}",
         )
     return count
+
+
+def _checked_sharing(sharing: Any) -> str:
+    if sharing is None:
+        return EXCLUSIVE
+    if sharing not in SHARING_MODES:
+        raise InvalidGpuSharing(
+            "resource_requirements.gpu.sharing",
+            sharing,
+            f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}",
+        )
+    return str(sharing)
+
+
+def _active_choice(
+    spec: SandboxSpec, driver: str, device_ids: tuple[str, ...] | None
+) -> tuple[str | None, str | None]:
+    """The active block's MIG profile and vendor, which pick what counts choose among."""
+    prefix = f"driver_config.{driver}"
+    block = spec.driver_config.get(driver, {})
+    chosen = {}
+    for key in (MIG_PROFILE_KEY, VENDOR_KEY):
+        value = _thawed(block.get(key))
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidDriverConfig(
+                f"{prefix}.{key}",
+                value,
+                f"{prefix}.{key} must be a non-empty string, got {value!r}",
+            )
+        chosen[key] = value
+    vendor = chosen.get(VENDOR_KEY)
+    if vendor is not None and vendor not in VENDORS:
+        raise InvalidDriverConfig(
+            f"{prefix}.{VENDOR_KEY}",
+            vendor,
+            f"{prefix}.{VENDOR_KEY} must be one of {', '.join(VENDORS)}, got {vendor!r}",
+        )
+    if chosen and device_ids is not None:
+        key = next(iter(chosen))
+        raise InvalidDriverConfig(
+            f"{prefix}.{key}",
+            chosen[key],
+            f"{prefix} names exact devices and a {key} ({chosen[key]!r}): the devices decide, "
+            f"give one or the other",
+        )
+    if MIG_PROFILE_KEY in chosen and VENDOR_KEY in chosen and vendor != "nvidia":
+        raise InvalidDriverConfig(
+            f"{prefix}.{VENDOR_KEY}",
+            vendor,
+            f"{prefix}.{MIG_PROFILE_KEY} is NVIDIA's; {prefix}.{VENDOR_KEY} is {vendor!r}",
+        )
+    return chosen.get(MIG_PROFILE_KEY), vendor
 
 
 def _parse_driver_config(config: object) -> Mapping[str, Mapping[str, Any]]:
@@ -279,7 +389,7 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
     prefix = f"driver_config.{driver}"
     block = spec.driver_config.get(driver, {})
     keys = _id_keys(driver)
-    _reject_unknown_keys(prefix, block, set(keys), InvalidDriverConfig)
+    _reject_unknown_keys(prefix, block, {*keys, *CHOICE_KEYS}, InvalidDriverConfig)
     present = [key for key in keys if key in block]
     if len(present) > 1:
         raise InvalidDriverConfig(

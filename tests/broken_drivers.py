@@ -30,8 +30,15 @@ from gpuhost.errors import (
     InvalidGpuCount,
 )
 from gpuhost.host import GpuHost
-from gpuhost.leases import Holder, Lease, LeaseOwner, LeaseRegistry
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.leases import (
+    DEFAULT_SHARE_LIMIT,
+    EXCLUSIVE,
+    Holder,
+    Lease,
+    LeaseOwner,
+    LeaseRegistry,
+)
+from gpuhost.spec import SHARED, DriverCapabilities, GpuPlan, SandboxSpec
 
 
 class BrokenDriver(ReferenceDriver):
@@ -39,6 +46,13 @@ class BrokenDriver(ReferenceDriver):
     BREAKS_ONE_OF: ClassVar[frozenset[str]] = frozenset()
     """For a defect that fails at random (a race): the requirements it may fail first, of
     which the run must fail at least one. ``BREAKS`` is always among them."""
+    SANDBOX: ClassVar[type[ReferenceSandbox]] = ReferenceSandbox
+    """The sandbox class its sandboxes are made of: a defect of the sandbox's own."""
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.__class__ = self.SANDBOX
+        return sandbox
 
 
 class GpuWithoutRequest(BrokenDriver):
@@ -224,10 +238,14 @@ class _UnlockedRegistry(LeaseRegistry):
         *,
         count: int = 0,
         exact: Sequence[GpuDevice] = (),
+        mode: str = EXCLUSIVE,
+        share_limit: int = DEFAULT_SHARE_LIMIT,
     ) -> tuple[GpuDevice, ...]:
         self._granting.on = True
         try:
-            return super().acquire(inventory, owner, count=count, exact=exact)
+            return super().acquire(
+                inventory, owner, count=count, exact=exact, mode=mode, share_limit=share_limit
+            )
         finally:
             self._granting.on = False
 
@@ -283,10 +301,11 @@ class LeakOnClose(BrokenDriver):
 
     BREAKS = "GPU-RELEASE-01"
 
+    SANDBOX = _KeepsLeasesOnClose
+
     def start(self, launch: Launch) -> ReferenceSandbox:
         sandbox = super().start(launch)
         sandbox.holder = Holder.process(os.getpid())
-        sandbox.__class__ = _KeepsLeasesOnClose
         return sandbox
 
 
@@ -352,11 +371,7 @@ class ExecHidesExitCode(BrokenDriver):
     """exec() reports success whatever the command returned."""
 
     BREAKS = "SANDBOX-EXEC-01"
-
-    def start(self, launch: Launch) -> ReferenceSandbox:
-        sandbox = super().start(launch)
-        sandbox.__class__ = _LyingSandbox
-        return sandbox
+    SANDBOX = _LyingSandbox
 
 
 # -- defects only the general form of a requirement catches ------------------------------
@@ -475,11 +490,7 @@ class LeaksAllButFirst(BrokenDriver):
     """close() gives back the first GPU of a sandbox and keeps the others."""
 
     BREAKS = "GPU-RELEASE-01"
-
-    def start(self, launch: Launch) -> ReferenceSandbox:
-        sandbox = super().start(launch)
-        sandbox.__class__ = _KeepsAllButFirstOnClose
-        return sandbox
+    SANDBOX = _KeepsAllButFirstOnClose
 
 
 class StaleInjection(BrokenDriver):
@@ -535,11 +546,156 @@ class ExecTruncatesOutput(BrokenDriver):
     """exec() returns at most 64 KiB of a command's output, as a fixed buffer would."""
 
     BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TruncatingSandbox
 
-    def start(self, launch: Launch) -> ReferenceSandbox:
-        sandbox = super().start(launch)
-        sandbox.__class__ = _TruncatingSandbox
-        return sandbox
+
+class MigAsWholeGpu(BrokenDriver):
+    """Counts and defaults choose among every GPU, those in MIG mode too."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        return self.host.gpus
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return super().pool(plan) if plan.mig_profile else self.host.gpus
+
+
+class MigByGpuOnly(BrokenDriver):
+    """An exact MIG ID gets the first instance of the right GPU: the instance is not read."""
+
+    BREAKS = "MIG-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        first: dict[str | None, GpuDevice] = {}
+        for mig in self.host.mig_devices:
+            first.setdefault(mig.parent_uuid, mig)
+        return tuple(first[gpu.parent_uuid] if gpu.is_mig else gpu for gpu in super().resolve(plan))
+
+
+class MigAllCaps(BrokenDriver):
+    """A sandbox given a MIG instance gets the capabilities of every instance of its GPU."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        parents = {gpu.parent_uuid for gpu in gpus if gpu.is_mig}
+        siblings = [mig for mig in self.host.mig_devices if mig.parent_uuid in parents]
+        return super().bwrap_argv(sandbox_id, [*gpus, *(m for m in siblings if m not in gpus)])
+
+
+class MigIgnoresParent(BrokenDriver):
+    """Leases a MIG instance as a device of its own: its GPU stays grantable whole."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        orphans = dataclasses.replace(
+            plan, gpus=tuple(dataclasses.replace(gpu, parent_uuid=None) for gpu in plan.gpus)
+        )
+        by_uuid = {gpu.uuid: gpu for gpu in self.exact_devices()}
+        return tuple(by_uuid[gpu.uuid] for gpu in super().allocate(sandbox_id, orphans))
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return tuple(dataclasses.replace(gpu, parent_uuid=None) for gpu in super().pool(plan))
+
+
+class IgnoresSharing(BrokenDriver):
+    """Declares that it never shares, yet serves a shared request as an exclusive one."""
+
+    BREAKS = "GPU-SHARED-01"
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, shared=False)
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        if spec.gpu is not None:
+            spec = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, sharing=None))
+        return super().plan(spec)
+
+
+class SharedBeyondLimit(BrokenDriver):
+    """Puts any number of shared sandboxes on one GPU: the host's share limit is not read."""
+
+    BREAKS = "GPU-SHARED-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(
+            self.pool(plan), owner, count=plan.count, exact=plan.gpus, mode=plan.sharing,
+            share_limit=1000,
+        )  # fmt: skip
+
+
+class ExclusiveJoinsShared(BrokenDriver):
+    """Takes every request in shared mode: an exclusive one lands on a GPU others share."""
+
+    BREAKS = "GPU-SHARED-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return super().allocate(sandbox_id, dataclasses.replace(plan, sharing=SHARED))
+
+
+class _DropsEverySharer(ReferenceSandbox):
+    def close(self) -> None:
+        registry = self._leases
+        assert registry is not None
+        mine = {gpu.uuid for gpu in self.gpus}
+        sharers = {lease.sandbox_id for lease in registry.leases() if lease.gpu_uuid in mine}
+        super().close()
+        for sandbox_id in sharers:
+            registry.release(sandbox_id)
+
+
+class SharedReleaseDropsAll(BrokenDriver):
+    """Closing one sharer of a GPU releases the leases of every sandbox sharing it."""
+
+    BREAKS = "GPU-SHARED-02"
+    SANDBOX = _DropsEverySharer
+
+
+class DriLeaksNeighbour(BrokenDriver):
+    """A sandbox given an AMD or Intel GPU also gets the nodes of the next one on the bus."""
+
+    BREAKS = "DRI-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        dri = list(self.host.dri_gpus)
+        extra = [dri[(dri.index(gpu) + 1) % len(dri)] for gpu in gpus if gpu in dri]
+        return super().bwrap_argv(sandbox_id, [*gpus, *(g for g in extra if g not in gpus)])
+
+
+class DriRenderByNumber(BrokenDriver):
+    """Pairs card<N> with renderD<128+N>, as if numbers told which nodes go together."""
+
+    BREAKS = "DRI-PAIRING-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        nodes = {(n.major, n.minor): n for gpu in self.host.dri_gpus for n in gpu.nodes}
+
+        def by_number(gpu: GpuDevice) -> GpuDevice:
+            if gpu not in self.host.dri_gpus:
+                return gpu
+            card = next(n for n in gpu.nodes if "/card" in n.path)
+            paired = nodes.get((card.major, 128 + card.minor))
+            rest = [n for n in gpu.nodes if "/renderD" not in n.path]
+            return dataclasses.replace(gpu, nodes=(*rest, *([paired] if paired else [])))
+
+        return super().bwrap_argv(sandbox_id, [by_number(gpu) for gpu in gpus])
+
+
+class DriUnleased(BrokenDriver):
+    """Hands out AMD and Intel GPUs without leasing them: only NVIDIA's are exclusive."""
+
+    BREAKS = "DRI-EXCLUSIVE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.vendor in ("amd", "intel"):
+            return self.pool(plan)[: plan.count]
+        if plan.gpus and all(gpu.vendor != "nvidia" for gpu in plan.gpus):
+            return plan.gpus
+        return super().allocate(sandbox_id, plan)
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(

@@ -38,7 +38,7 @@ def test_control_nodes_are_not_gpus(tmp_path: Path) -> None:
         {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255}
     )
     (tmp_path / "nvidia.yaml").write_text(yaml.safe_dump(spec))
-    assert cdi.load([tmp_path]).devices["nvidia.com/gpu=0"] == {0}
+    assert cdi.load([tmp_path]).devices["nvidia.com/gpu=0"] == {("gpu", 0)}
 
 
 def test_another_simulated_hosts_spec_does_not_name_our_gpus(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_simulated_hosts_registered_at_once_keep_their_names_apart(tmp_path: Pat
     for host in (first, second):
         registry = cdi.load([registered], host.cdi_kind)
         assert registry.problems == ()
-        assert registry.devices[f"{host.cdi_kind}=0"] == {host.gpus[0].minor}
+        assert registry.devices[f"{host.cdi_kind}=0"] == {("gpu", host.gpus[0].minor)}
         assert registry.missing(host.gpus) == []
 
 
@@ -81,7 +81,7 @@ def test_a_later_directory_overrides_and_unreadable_specs_are_reported(tmp_path:
     (second / "broken.json").write_text("{not json")
     (second / "other.yaml").write_text(yaml.safe_dump({"kind": "example.com/fpga", "devices": []}))
     registry = cdi.load([first, second, tmp_path / "absent"])
-    assert registry.devices["nvidia.com/gpu=0"] == {3}
+    assert registry.devices["nvidia.com/gpu=0"] == {("gpu", 3)}
     assert len(registry.problems) == 1
     assert "broken.json" in registry.problems[0]
 
@@ -103,3 +103,19 @@ def test_setup_prunes_registrations_of_hosts_that_are_gone(tmp_path: Path) -> No
     shutil.rmtree(crashed.root)  # a run killed before its teardown
     alive = simulated.setup(tmp_path / "alive", 1, cdi_dir=registered)
     assert [p.read_text() for p in registered.iterdir()] == [alive.cdi_spec.read_text()]
+
+
+def test_a_mig_instance_is_named_apart_from_its_gpu(tmp_path: Path) -> None:
+    """``<gpu>:<instance>`` and the instance's UUID inject it; the GPU's own names do not."""
+    sim = simulated.setup(
+        tmp_path / "sim", 2, cdi_dir=tmp_path / "cdi", mig=simulated.parse_mig_layout("0:2x3g.40gb")
+    )
+    registry = cdi.load([tmp_path / "cdi"], sim.cdi_kind)
+    gpu = sim.gpus[0]
+    first, second = sim.mig_devices
+    assert registry.names_of(first) == (f"{sim.cdi_kind}=0:0", f"{sim.cdi_kind}={first.uuid}")
+    assert registry.names_of(second) == (f"{sim.cdi_kind}=0:1", f"{sim.cdi_kind}={second.uuid}")
+    assert registry.names_of(gpu) == (f"{sim.cdi_kind}=0", f"{sim.cdi_kind}={gpu.uuid}")
+    assert registry.missing([*sim.gpus, *sim.mig_devices]) == []
+    keys = registry.devices[f"{sim.cdi_kind}=0:1"]
+    assert keys == {("gpu", gpu.minor), *(("cap", n.minor) for n in second.nodes[1:])}

@@ -4,12 +4,13 @@ import os
 import re
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 
-from conformance.observe import ListedGpu, parse_list
-from gpuhost import discovery
+from conformance.observe import ListedGpu, ListedMig, parse_list
+from gpuhost import discovery, simulated
 from gpuhost.devices import NVIDIA_MAJOR, DeviceNode, GpuDevice
 from gpuhost.discovery import (
     GPU_PCI_CLASSES,
@@ -737,3 +738,135 @@ def test_main_reports_every_source(
     out = capsys.readouterr().out
     assert "nvidia-smi: 0 GPU(s)" in out
     assert "0000:03:00.0 amd: Aldebaran/MI200 [/dev/dri/card1 226:1]" in out
+
+
+# --- MIG -------------------------------------------------------------------------------------
+
+
+def test_parse_mig_minors_reads_the_recorded_h100_file() -> None:
+    minors = discovery.parse_mig_minors(read("proc-driver-nvidia-caps-mig-minors.head20.H100.txt"))
+    assert (minors["config"], minors["monitor"]) == (1, 2)
+    assert (minors["gpu0/gi1/access"], minors["gpu0/gi1/ci0/access"]) == (12, 13)
+    assert discovery.mig_cap_nodes(0, 1, 0, minors, 508) == (
+        DeviceNode("/dev/nvidia-caps/nvidia-cap12", 508, 12),
+        DeviceNode("/dev/nvidia-caps/nvidia-cap13", 508, 13),
+    )
+
+
+class FakeNvml:
+    """pynvml with one H100 in MIG mode, as the recorded capture lists it, slots with gaps."""
+
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotFound(NVMLError):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    NVMLError_LibraryNotFound = NVMLError_NotSupported
+
+    def __init__(self, listed: ListedGpu) -> None:
+        self.listed = listed
+        # Slot -> (GPU instance, compute instance): slot 1 is empty, as after a destroy.
+        self.slots = {0: (1, 0), 2: (5, 0), 3: (9, 0), 4: (10, 0)}
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return "gpu"
+
+    def nvmlDeviceGetMinorNumber(self, handle: str) -> int:
+        return 0
+
+    def nvmlDeviceGetUUID(self, handle: object) -> str:
+        return self.listed.uuid if handle == "gpu" else self._mig(handle).uuid
+
+    def nvmlDeviceGetName(self, handle: object) -> str:
+        return (
+            self.listed.name if handle == "gpu" else f"{self.listed.name} {self._mig(handle).name}"
+        )
+
+    def nvmlDeviceGetPciInfo(self, handle: object) -> object:
+        return type("PciInfo", (), {"busId": b"00000000:18:00.0"})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object) -> object:
+        gib = 80 if handle == "gpu" else int(self._mig(handle).profile.split(".")[1][:-2])
+        return type("Memory", (), {"total": gib * 1024**3})()
+
+    def nvmlDeviceGetMigMode(self, handle: object) -> tuple[int, int]:
+        return (1, 1)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: object) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, slot: int) -> int:
+        if slot not in self.slots:
+            raise self.NVMLError_NotFound(f"slot {slot}")
+        return slot
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: int) -> int:
+        return self.slots[mig][0]
+
+    def nvmlDeviceGetComputeInstanceId(self, mig: int) -> int:
+        return self.slots[mig][1]
+
+    def _mig(self, slot: object) -> ListedMig:
+        assert isinstance(slot, int)
+        return self.listed.mig_devices[sorted(self.slots).index(slot)]
+
+
+def test_nvml_gives_each_mig_instance_its_gpu_and_its_own_caps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (listed,) = parse_list(read("nvidia-smi-L.mig-h100-4inst.masked.txt"))
+    minors = tmp_path / "mig-minors"
+    minors.write_text(
+        "".join(
+            f"gpu0/gi{gi}/access {3 + 9 * gi}\ngpu0/gi{gi}/ci0/access {4 + 9 * gi}\n"
+            for gi in range(15)
+        )
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(listed))
+    monkeypatch.setattr(discovery, "MIG_MINORS", minors)
+    monkeypatch.setattr(discovery, "char_device_major", lambda name: 508)
+
+    gpu, *instances = discovery.from_nvml()
+
+    assert (gpu.uuid, gpu.mig_enabled, gpu.is_mig) == (listed.uuid, True, False)
+    assert [mig.uuid for mig in instances] == [mig.uuid for mig in listed.mig_devices]
+    assert [mig.profile for mig in instances] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+    assert {mig.parent_uuid for mig in instances} == {gpu.uuid}
+    assert [mig.mig_index for mig in instances] == [0, 1, 2, 3]
+    assert instances[1].memory_mib == 20 * 1024
+    caps = [[n.minor for n in mig.nodes if n.major == 508] for mig in instances]
+    assert caps == [[12, 13], [48, 49], [84, 85], [93, 94]]
+    assert all(mig.nodes[0] == gpu.nodes[0] for mig in instances), "an instance needs its GPU"
+
+
+def test_discover_dri_pairs_nodes_by_pci_address_not_number(tmp_path: Path) -> None:
+    sim = simulated.setup(tmp_path / "sim", 1, dri=simulated.parse_dri_layout("intel:1,amd:2"))
+    found = discovery.discover_dri(
+        tmp_path / "sim" / "sys" / "bus" / "pci" / "devices",
+        tmp_path / "sim" / "dev" / "dri" / "by-path",
+        tmp_path / "sim" / "dev" / "kfd",
+    )
+
+    def numbers(gpus: tuple[GpuDevice, ...]) -> dict[str, list[tuple[str, int, int]]]:
+        return {
+            gpu.pci_bus_id: sorted((gpu.vendor, n.major, n.minor) for n in gpu.nodes)
+            for gpu in gpus
+        }
+
+    assert numbers(found) == numbers(sim.dri_gpus)
+    cards = {gpu.pci_bus_id: [n.minor for n in gpu.nodes if n.major == DRI_MAJOR] for gpu in found}
+    assert any(render - 128 != card for card, render in cards.values()), (
+        "the simulated host should cross card and render numbers"
+    )
+    assert [(gpu.vendor, gpu.index) for gpu in found] == [("intel", 0), ("amd", 0), ("amd", 1)]

@@ -32,7 +32,7 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from gpuhost.wait import wait_until
 from tests import broken_containers
-from tests.test_planted import ROOT, golden_ids, run_catalogue
+from tests.test_planted import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("engines")
 CDI_DIR = Path("/var/run/cdi")
@@ -41,8 +41,12 @@ ENGINES: tuple[type[ContainerDriver], ...] = (DockerDriver, PodmanDriver)
 
 @pytest.fixture(scope="module")
 def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuHost]:
-    """An 8-GPU simulated host registered with both engines, which must be running."""
-    sim = simulated.setup(tmp_path_factory.mktemp("engines") / "sim", 8, cdi_dir=CDI_DIR)
+    """An 8-GPU simulated host registered with both engines, which must be running.
+
+    Two of its GPUs are in MIG mode, and AMD and Intel GPUs are beside them.
+    """
+    root = tmp_path_factory.mktemp("engines") / "sim"
+    sim = simulated.setup(root, 8, cdi_dir=CDI_DIR, mig=MIG_LAYOUT, dri=DRI_LAYOUT)
     try:
         host = GpuHost.open(HostConfig(sim.root))
         for engine in ENGINES:
@@ -279,18 +283,19 @@ def test_a_hung_engine_delays_no_other_drivers_grants(engine_host: GpuHost) -> N
     docker = DockerDriver(engine_host, session)
     reference = ReferenceDriver(engine_host, session)
     held = docker.create(SandboxSpec.with_gpus(2))
+    whole = len(reference.inventory())  # the GPUs not in MIG mode
     pid = _dockerd_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         for _ in range(3):
             start = time.monotonic()
-            with reference.create(SandboxSpec.with_gpus(len(engine_host.gpus) - 2)) as sandbox:
+            with reference.create(SandboxSpec.with_gpus(whole - 2)) as sandbox:
                 assert not set(uuids(sandbox)) & set(uuids(held))
             took = time.monotonic() - start
             assert took < ReferenceDriver.exhaustion_grace_s, f"a grant took {took:.2f} s"
         start = time.monotonic()
         with pytest.raises(GpusExhausted):
-            reference.create(SandboxSpec.with_gpus(len(engine_host.gpus) - 1))
+            reference.create(SandboxSpec.with_gpus(whole - 1))
         waited = time.monotonic() - start
         assert waited < LIVENESS_TIMEOUT_S + 3, f"the refusal took {waited:.1f} s"
     finally:

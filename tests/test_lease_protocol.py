@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -77,7 +78,7 @@ def test_the_python_clients_file_follows_the_schema(registry: LeaseRegistry) -> 
     registry.acquire(INVENTORY, owner, count=2)
     document = _document(registry)
     jsonschema.validate(document, SCHEMA)
-    assert (document["version"], document["boot_id"]) == (2, boot_id())
+    assert (document["version"], document["boot_id"]) == (3, boot_id())
 
 
 def test_the_sh_clients_file_follows_the_schema(
@@ -90,7 +91,7 @@ def test_the_sh_clients_file_follows_the_schema(
     "broken",
     [
         {"version": 2, "leases": []},  # no boot id
-        {"version": 3, "boot_id": "b", "leases": []},
+        {"version": 4, "boot_id": "b", "leases": []},
         {"version": 2, "boot_id": "b", "leases": [{"gpu_uuid": "GPU-1"}]},
         {"version": 2, "boot_id": "b", "leases": [{
             "gpu_uuid": "GPU-1", "driver": "d", "sandbox_id": "s", "session_id": "",
@@ -169,3 +170,53 @@ def test_the_sh_client_writes_in_place_then_truncates(
     assert path.stat().st_ino == inode
     assert path.stat().st_size < size
     assert json.loads(path.read_text())["leases"] == []
+
+
+def test_the_sh_client_respects_a_mig_instance_held_by_python(registry: LeaseRegistry) -> None:
+    """A lease on a MIG instance names its GPU (parent_uuid): the whole GPU is busy."""
+    instance = dataclasses.replace(
+        INVENTORY[1], uuid="MIG-00000001-aaaa-bbbb-cccc-000000000000",
+        parent_uuid=INVENTORY[1].uuid, mig_index=0, profile="1g.10gb",
+    )  # fmt: skip
+    registry.acquire([instance], LeaseOwner("test", "py-mig", "s", Holder.process(os.getpid())),
+                     exact=[instance])  # fmt: skip
+    jsonschema.validate(_document(registry), SCHEMA)
+    refused = client(registry.directory, "hold", "--sandbox", "sh-4", INVENTORY[1].uuid, "--",
+                     "true")  # fmt: skip
+    assert refused.returncode == BUSY, refused.stderr
+    assert "py-mig of the test driver" in refused.stderr
+
+
+def test_a_mig_instance_held_by_the_sh_client_keeps_its_gpu_from_python(
+    registry: LeaseRegistry,
+) -> None:
+    """``--parent`` names the instance's GPU: Python then refuses the GPU whole, not a sibling."""
+    gpu = INVENTORY[2]
+    first, sibling = (
+        dataclasses.replace(gpu, uuid=f"MIG-0000000{i}-aaaa-bbbb-cccc-000000000000",
+                            parent_uuid=gpu.uuid, mig_index=i, profile="1g.10gb")
+        for i in range(2)
+    )  # fmt: skip
+    held = subprocess.Popen(
+        [str(CLIENT), "--dir", str(registry.directory), "hold", "--sandbox", "sh-mig",
+         "--parent", gpu.uuid, first.uuid, "--", "sleep", "60"],
+        text=True,
+    )  # fmt: skip
+    try:
+        _wait_for_leases(registry, 1)
+        jsonschema.validate(_document(registry), SCHEMA)
+        assert registry.leases()[0].parent_uuid == gpu.uuid
+        owner = LeaseOwner("test", "py", "s", Holder.process(os.getpid()))
+        with pytest.raises(GpuBusy, match="sh-mig"):
+            registry.acquire([gpu], owner, exact=[gpu])
+        with pytest.raises(GpuBusy, match="sh-mig"):
+            registry.acquire([first], owner, exact=[first])
+        assert registry.acquire([sibling], owner, exact=[sibling]) == (sibling,)
+        again = client(registry.directory, "hold", "--sandbox", "sh-2", "--parent", gpu.uuid,
+                       sibling.uuid, "--", "true")  # fmt: skip
+        assert again.returncode == BUSY, again.stderr
+        whole = client(registry.directory, "hold", "--sandbox", "sh-3", gpu.uuid, "--", "true")
+        assert whole.returncode == BUSY, whole.stderr
+    finally:
+        held.kill()
+        held.wait()

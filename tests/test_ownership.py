@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import multiprocessing
@@ -22,6 +23,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.leases import (
     EXCLUSIVE,
+    SHARED,
     Holder,
     Lease,
     LeaseFileCorrupt,
@@ -224,7 +226,7 @@ def test_directory_is_created_on_first_use(tmp_path: Path) -> None:
     assert registry.leases() == []
     registry.acquire(INVENTORY, owner("x"), count=1)
     stored = json.loads((tmp_path / "a" / "b" / "leases.json").read_text())
-    assert (stored["version"], stored["boot_id"]) == (2, boot_id())
+    assert (stored["version"], stored["boot_id"]) == (3, boot_id())
     assert [item["gpu_uuid"] for item in stored["leases"]] == [INVENTORY[0].uuid]
 
 
@@ -347,12 +349,12 @@ def test_a_version_1_file_is_read(registry: LeaseRegistry) -> None:
     )
     assert registry.leases() == [lease]
     registry.acquire(INVENTORY, owner("new"), count=1)
-    assert json.loads((registry.directory / "leases.json").read_text())["version"] == 2
+    assert json.loads((registry.directory / "leases.json").read_text())["version"] == 3
 
 
 def test_a_newer_version_is_refused_by_name(registry: LeaseRegistry) -> None:
-    _write(registry, json.dumps({"version": 3, "boot_id": boot_id(), "leases": []}).encode())
-    with pytest.raises(LeaseFileCorrupt, match="version 3, written by a newer client"):
+    _write(registry, json.dumps({"version": 4, "boot_id": boot_id(), "leases": []}).encode())
+    with pytest.raises(LeaseFileCorrupt, match="version 4, written by a newer client"):
         registry.leases()
 
 
@@ -392,7 +394,7 @@ def test_reclaim_is_written_back(registry: LeaseRegistry, sleeper: subprocess.Po
     sleeper.wait()
     assert registry.leases() == []
     path = registry.directory / "leases.json"
-    assert json.loads(path.read_bytes()) == {"version": 2, "boot_id": boot_id(), "leases": []}
+    assert json.loads(path.read_bytes()) == {"version": 3, "boot_id": boot_id(), "leases": []}
 
 
 # -- checks that ask an engine run outside the lock ----------------------------------------
@@ -578,3 +580,83 @@ def test_threads_sharing_one_registry_never_share_a_gpu(tmp_path: Path) -> None:
     assert errors == []
     assert _assert_never_shared(log_dir) == WORKERS * GRANTS_PER_WORKER
     assert registry.leases() == []
+
+
+# -- MIG instances and their GPU; shared leases --------------------------------------------
+
+GPU_IN_MIG_MODE = dataclasses.replace(_gpu(4), mig_enabled=True)
+INSTANCES = tuple(
+    dataclasses.replace(
+        GPU_IN_MIG_MODE,
+        uuid=f"MIG-{i:08d}-0000-0000-0000-000000000000",
+        parent_uuid=GPU_IN_MIG_MODE.uuid,
+        mig_index=i,
+        profile="1g.10gb",
+    )
+    for i in range(3)
+)
+
+
+def test_a_leased_instance_makes_its_gpu_busy_and_not_its_siblings(
+    registry: LeaseRegistry,
+) -> None:
+    registry.acquire(INSTANCES, owner("mig-0"), exact=[INSTANCES[0]])
+    with pytest.raises(GpuBusy, match=r"held exclusively through MIG-00000000.* by sandbox mig-0"):
+        registry.acquire(INVENTORY, owner("whole"), exact=[GPU_IN_MIG_MODE])
+    assert registry.acquire(INSTANCES, owner("mig-1"), count=1) == INSTANCES[1:2]
+    stored = json.loads((registry.directory / "leases.json").read_text())["leases"]
+    assert [item.get("parent_uuid") for item in stored] == [GPU_IN_MIG_MODE.uuid] * 2
+
+
+def test_a_leased_gpu_makes_every_instance_of_it_busy(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("whole"), exact=[GPU_IN_MIG_MODE])
+    for instance in INSTANCES:
+        with pytest.raises(GpuBusy, match="by sandbox whole"):
+            registry.acquire(INSTANCES, owner("mig"), exact=[instance])
+    with pytest.raises(GpusExhausted, match="3 held exclusively"):
+        registry.acquire(INSTANCES, owner("mig"), count=1)
+
+
+def test_shared_leases_fill_a_gpu_up_to_the_limit_then_the_next(registry: LeaseRegistry) -> None:
+    got = [
+        registry.acquire(INVENTORY, owner(f"s{n}"), count=1, mode=SHARED, share_limit=3)[0]
+        for n in range(5)
+    ]
+    # The GPU already shared first, while it has room; then the lowest free one.
+    assert got == [INVENTORY[0]] * 3 + [INVENTORY[1]] * 2
+    stored = json.loads((registry.directory / "leases.json").read_text())["leases"]
+    assert {(item["mode"], item["share_limit"]) for item in stored} == {(SHARED, 3)}
+
+
+def test_exclusive_and_shared_never_meet(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY, owner("shared"), exact=[INVENTORY[0]], mode=SHARED)
+    registry.acquire(INVENTORY, owner("alone"), exact=[INVENTORY[1]])
+    with pytest.raises(GpuBusy, match=r"shared by sandbox shared .*\(shared\)"):
+        registry.acquire(INVENTORY, owner("x"), exact=[INVENTORY[0]])
+    with pytest.raises(GpuBusy, match="held exclusively by sandbox alone"):
+        registry.acquire(INVENTORY, owner("y"), exact=[INVENTORY[1]], mode=SHARED)
+    # An exclusive count skips the shared GPU; a shared one joins it.
+    assert registry.acquire(INVENTORY, owner("e"), count=1) == INVENTORY[2:3]
+    assert registry.acquire(INVENTORY, owner("s"), count=1, mode=SHARED) == INVENTORY[:1]
+
+
+def test_the_strictest_share_limit_holds(registry: LeaseRegistry) -> None:
+    registry.acquire(INVENTORY[:1], owner("a"), count=1, mode=SHARED, share_limit=2)
+    registry.acquire(INVENTORY[:1], owner("b"), count=1, mode=SHARED, share_limit=8)
+    with pytest.raises(
+        GpusExhausted, match=r"requested 1 GPUs.*shared; 0 held exclusively, 1 shared"
+    ):
+        registry.acquire(INVENTORY[:1], owner("c"), count=1, mode=SHARED, share_limit=8)
+
+
+def test_releasing_one_shared_holder_leaves_the_others(registry: LeaseRegistry) -> None:
+    for name in ("a", "b", "c"):
+        registry.acquire(INVENTORY, owner(name), exact=[INVENTORY[0]], mode=SHARED)
+    assert registry.release("b") == 1
+    assert sorted(held_by(registry, INVENTORY[0])) == ["a", "c"]
+    with pytest.raises(GpuBusy):
+        registry.acquire(INVENTORY, owner("x"), exact=[INVENTORY[0]])
+
+
+def held_by(registry: LeaseRegistry, gpu: GpuDevice) -> list[str]:
+    return [lease.sandbox_id for lease in registry.leases() if lease.gpu_uuid == gpu.uuid]

@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 
+from conformance.observe import parse_list
 from drivers.base import ExecResult
 from workloads.harness import ERROR, FAIL, PASS, judge, run_on_host
 from workloads.manifest import MANIFEST, PAYLOADS, Workload, load_manifest
 
+DISCOVERY = Path(__file__).parent / "data" / "discovery"
 WORKLOADS = {workload.name: workload for workload in load_manifest(MANIFEST)}
 FAKE_UUIDS = (
     "GPU-11111111-2222-3333-4444-555555555555",
@@ -94,6 +96,25 @@ def test_device_uuids_take_nvidia_smi_form(raw: object, expected: str) -> None:
 def test_cuda_must_show_exactly_the_assigned_gpus(seen: list[str], ok: bool, says: str) -> None:
     verdict, detail = payload("cuda_init").compare_devices(seen, FAKE_UUIDS)
     assert (verdict, says in detail) == (ok, True), detail
+
+
+def test_cuda_shows_mig_instances_by_their_digits_alone() -> None:
+    """CUDA gives a MIG instance's UUID bare (torch) or as bytes (CuPy), never ``MIG-``."""
+    listed = parse_list((DISCOVERY / "nvidia-smi-L.mig-A100-7x1g.10gb.txt").read_text())
+    instances = [mig.uuid for mig in listed[0].mig_devices]
+    assigned = instances[2:4]
+    cuda_init = payload("cuda_init")
+    from_torch = [cuda_init.device_uuid(uuid.removeprefix("MIG-")) for uuid in assigned]
+    from_cupy = [
+        cuda_init.device_uuid(bytes.fromhex(uuid.removeprefix("MIG-").replace("-", "")))
+        for uuid in assigned
+    ]
+    for seen in (from_torch, from_cupy, assigned):
+        assert cuda_init.compare_devices(seen, assigned)[0], seen
+    neighbour = [from_torch[0], cuda_init.device_uuid(instances[5].removeprefix("MIG-"))]
+    verdict, detail = cuda_init.compare_devices(neighbour, assigned)
+    assert not verdict
+    assert instances[5].removeprefix("MIG-") in detail
 
 
 def test_a_failing_rank_ends_the_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,10 @@ def golden_ids() -> set[str]:
     return {i for i in ids if not i.startswith(REQUIREMENT_PREFIX)}
 
 
+MIG_LAYOUT = simulated.parse_mig_layout("0:7x1g.10gb,1:3x2g.20gb")
+DRI_LAYOUT = simulated.parse_dri_layout("intel:1,amd:2")
+
+
 def run_catalogue(
     pytester: pytest.Pytester,
     tmp_path: Path,
@@ -32,12 +36,17 @@ def run_catalogue(
     gpus: int = 8,
     *args: str,
     sim_root: Path | None = None,
+    full: bool = True,
 ) -> tuple[dict[str, Any], pytest.RunResult]:
     """Run the conformance catalogue against ``driver``; ``args`` go to pytest.
 
-    The host is a fresh simulated one of ``gpus`` GPUs, unless ``sim_root`` names one.
+    The host is a fresh simulated one of ``gpus`` GPUs, unless ``sim_root`` names one;
+    ``full``: two of them in MIG mode, and AMD and Intel GPUs beside them.
     """
-    root = sim_root or simulated.setup(tmp_path / "sim", gpus).root
+    if sim_root is None:
+        mig, dri = (MIG_LAYOUT, DRI_LAYOUT) if full else (None, None)
+        sim_root = simulated.setup(tmp_path / "sim", gpus, mig=mig, dri=dri).root
+    root = sim_root
     report = tmp_path / "conformance.json"
     run = pytester.runpytest_subprocess(
         str(ROOT / "conformance"),
@@ -117,7 +126,7 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
     """On 1 or 2 GPUs what needs more is skipped with the reason; nothing fails."""
-    result, run = run_catalogue(pytester, tmp_path, "reference", gpus)
+    result, run = run_catalogue(pytester, tmp_path, "reference", gpus, full=False)
     verdicts = {req: result["matrix"][req]["reference"] for req in golden_ids()}
     assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, verdicts
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]

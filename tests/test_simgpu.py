@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -28,6 +30,8 @@ from gpuhost.simulated import (
     SimulatedHost,
     SimulatedHostError,
     load,
+    parse_dri_layout,
+    parse_mig_layout,
     setup,
     teardown,
 )
@@ -700,3 +704,101 @@ def test_cli_as_a_module(tmp_path: Path) -> None:
     assert "1 GPUs" in shown.stdout
     assert run("teardown").returncode == 0
     assert not root.exists()
+
+
+# -- MIG instances and DRI GPUs ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mig_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedHost]:
+    """Three GPUs, the first two in MIG mode, with an Intel and two AMD GPUs beside them."""
+    root = tmp_path_factory.mktemp("mighost") / "root"
+    try:
+        sim = setup(
+            root, 3, mig=parse_mig_layout("0:3x1g.10gb,1:2x3g.40gb"),
+            dri=parse_dri_layout("intel:1,amd:2"),
+        )  # fmt: skip
+    except SimulatedHostError as exc:
+        pytest.skip(str(exc))
+    yield sim
+    teardown(root)
+
+
+def caps(mig: GpuDevice) -> list[Bind]:
+    return [(n.source, n.path) for n in mig.nodes if "nvidia-caps" in n.path]
+
+
+def test_mig_instances_belong_to_their_gpus(mig_host: SimulatedHost) -> None:
+    first, second, whole = mig_host.gpus
+    assert (first.mig_enabled, second.mig_enabled, whole.mig_enabled) == (True, True, False)
+    assert [(m.parent_uuid, m.profile) for m in mig_host.mig_devices] == [
+        *[(first.uuid, "1g.10gb")] * 3,
+        *[(second.uuid, "3g.40gb")] * 2,
+    ]
+    assert all(m.uuid.startswith("MIG-") and m.is_mig for m in mig_host.mig_devices)
+    caps_minors = [[n.minor for n in m.nodes[1:]] for m in mig_host.mig_devices]
+    assert len({minor for pair in caps_minors for minor in pair}) == 10, caps_minors
+    assert all(m.nodes[0] == first.nodes[0] for m in mig_host.mig_devices[:3])
+    assert f"{mig_host.cdi_kind}=0:2" in mig_host.mig_devices[2].cdi_names
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_list_shows_exactly_the_mig_instances_whose_caps_are_bound(mig_host: SimulatedHost) -> None:
+    first = mig_host.gpus[0]
+    a, b, c = mig_host.mig_devices[:3]
+    gpu = [(first.nodes[0].source, first.nodes[0].path)]
+    mkdir = [("/dev/null", "/dev/nvidia-caps/.keep")]  # bwrap makes the directory for binds
+    result = smi(mig_host, "-L", nodes=gpu + caps(c) + caps(a))
+    assert result.stdout == (
+        f"GPU 0: {first.name} (UUID: {first.uuid})\n"
+        f"  MIG 1g.10gb     Device  0: (UUID: {a.uuid})\n"
+        f"  MIG 1g.10gb     Device  1: (UUID: {c.uuid})\n"
+    )
+    only_gi = [bind for bind in caps(b)[:1]]
+    assert smi(mig_host, "-L", nodes=gpu + only_gi + mkdir).stdout == listing(first)
+    assert smi(mig_host, "-L", nodes=caps(b)).returncode == NO_DEVICES, "caps without the GPU"
+
+
+def test_dri_gpus_are_numbered_per_vendor_with_crossed_nodes(mig_host: SimulatedHost) -> None:
+    dri = mig_host.dri_gpus
+    assert [(gpu.vendor, gpu.index) for gpu in dri] == [("intel", 0), ("amd", 0), ("amd", 1)]
+    for gpu in dri:
+        card, render = (n for n in gpu.nodes if "/dri/" in n.path)
+        link = mig_host.root / "dev" / "dri" / "by-path" / f"pci-{gpu.pci_bus_id}-render"
+        assert link.resolve() == Path(render.source)
+        assert os.stat(card.source).st_rdev == os.makedev(226, card.minor)
+        assert (gpu.vendor == "amd") == any(n.path == "/dev/kfd" for n in gpu.nodes)
+    pairs = [tuple(n.minor for n in gpu.nodes if "/dri/" in n.path) for gpu in dri]
+    assert any(render != 128 + card for card, render in pairs), pairs
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"mig": {5: ["1g.10gb"]}}, "MIG on GPU 5, but the host has 3 GPUs"),
+        ({"mig": {0: ["1g.10gb"] * 8}}, "1 to 7 MIG instances"),
+        ({"mig": {0: ["big"]}}, "not a MIG profile: 'big'"),
+        ({"dri": {"matrox": 1}}, "DRI GPUs of 'matrox'"),
+        ({"dri": {"amd": 9}}, "9 amd GPUs"),
+    ],
+)
+def test_bad_layouts_are_refused(tmp_path: Path, layout: dict[str, Any], message: str) -> None:
+    with pytest.raises(SimulatedHostError, match=re.escape(message)):
+        setup(tmp_path / "sim", 3, **layout)
+    assert not (tmp_path / "sim").exists()
+
+
+@pytest.mark.parametrize("text", ["0", "x:1g.10gb", "0:"])
+def test_bad_mig_layout_text_is_refused(text: str) -> None:
+    with pytest.raises(SimulatedHostError, match="not a MIG layout entry"):
+        parse_mig_layout(text)
+
+
+def test_layout_texts() -> None:
+    assert parse_mig_layout("0:7x1g.10gb, 1:2g.20gb,1:3g.40gb") == {
+        0: ["1g.10gb"] * 7,
+        1: ["2g.20gb", "3g.40gb"],
+    }
+    assert parse_dri_layout("intel:1,amd:2") == {"intel": 1, "amd": 2}
+    with pytest.raises(SimulatedHostError, match="not a DRI layout entry"):
+        parse_dri_layout("amd")

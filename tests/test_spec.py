@@ -21,6 +21,7 @@ from gpuhost.errors import (
     InvalidDriverConfig,
     InvalidGpuCount,
     InvalidGpuRequest,
+    InvalidGpuSharing,
     UnsupportedGpuRequest,
 )
 from gpuhost.spec import (
@@ -47,6 +48,14 @@ KUBE_IDS = "driver_config.kubernetes.gpu_device_ids"
 UUID_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 UUID_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 
+EVERYTHING = DriverCapabilities(
+    max_gpus_per_sandbox=8, exact_ids=True, shared=True, mig_profiles=True,
+    vendors=("nvidia", "amd", "intel"),
+)  # fmt: skip
+"""A driver that shares GPUs and hands out MIG instances and other vendors' GPUs."""
+SHARING_OFF = DriverCapabilities(max_gpus_per_sandbox=8, exact_ids=True, shared=False)
+SHARING = "resource_requirements.gpu.sharing"
+
 _DEFAULT = object()
 """``gpu()`` without a count: the default request ``{"gpu": {}}``."""
 
@@ -71,6 +80,15 @@ def request(
     if ids is not None:
         spec["driver_config"] = {driver: {key: ids}}
     return spec
+
+
+def sharing(mode: object) -> dict[str, Any]:
+    return {"resource_requirements": {"gpu": {"sharing": mode}}}
+
+
+def block(**keys: object) -> dict[str, Any]:
+    """A default GPU request with ``keys`` in the reference driver's block."""
+    return {"resource_requirements": gpu(), "driver_config": {"reference": keys}}
 
 
 def validate(
@@ -371,7 +389,78 @@ BAD: list[Bad] = [
         "'model'",
         stage="parse",
     ),
+    # -- sharing, MIG profiles and vendors -------------------------------------------------
+    Bad("sharing-unknown", sharing("timesliced"), InvalidGpuSharing, SHARING, "'timesliced'"),
+    Bad("sharing-not-text", sharing(True), InvalidGpuSharing, SHARING, "True"),
+    Bad(
+        "sharing-unsupported",
+        sharing("shared"),
+        UnsupportedGpuRequest,
+        SHARING,
+        "'shared'",
+        caps=SHARING_OFF,
+    ),
+    Bad(
+        "profile-unsupported",
+        block(mig_profile="1g.10gb"),
+        UnsupportedGpuRequest,
+        "driver_config.reference.mig_profile",
+        "'1g.10gb'",
+        caps=EXACT,
+    ),
+    Bad(
+        "profile-not-text",
+        block(mig_profile=7),
+        InvalidDriverConfig,
+        "driver_config.reference.mig_profile",
+        "7",
+        caps=EVERYTHING,
+    ),
+    Bad(
+        "vendor-unknown",
+        block(vendor="matrox"),
+        InvalidDriverConfig,
+        "driver_config.reference.vendor",
+        "'matrox'",
+        caps=EVERYTHING,
+    ),
+    Bad(
+        "vendor-unsupported",
+        block(vendor="amd"),
+        UnsupportedGpuRequest,
+        "driver_config.reference.vendor",
+        "'amd'",
+        caps=EXACT,
+    ),
+    Bad(
+        "profile-of-an-amd-gpu",
+        block(mig_profile="1g.10gb", vendor="amd"),
+        InvalidDriverConfig,
+        "driver_config.reference.vendor",
+        "'amd'",
+        caps=EVERYTHING,
+    ),
+    Bad(
+        "profile-beside-exact-ids",
+        block(mig_profile="1g.10gb", gpu_device_ids=["0"]),
+        InvalidDriverConfig,
+        "driver_config.reference.mig_profile",
+        "'1g.10gb'",
+        caps=EVERYTHING,
+    ),
 ]
+
+
+def test_sharing_profile_and_vendor_reach_the_plan() -> None:
+    data = {
+        "resource_requirements": {"gpu": {"count": 2, "sharing": "shared"}},
+        "driver_config": {"reference": {"mig_profile": "1g.10gb"}},
+    }
+    plan = validate(data, "reference", EVERYTHING)
+    assert plan == GpuPlan(count=2, sharing="shared", mig_profile="1g.10gb")
+    amd = validate(block(vendor="amd"), "reference", EVERYTHING)
+    assert amd == GpuPlan(count=1, vendor="amd")
+    assert parse_spec(data).to_dict() == {"env": {}, **data}
 
 
 def _raise(case: Bad) -> InvalidGpuRequest | UnsupportedGpuRequest:

@@ -18,6 +18,20 @@
   read, so hosts sharing ``nvidia.com/gpu=0`` would make each other's names ambiguous;
 - ``leases/``: the simulated host's own lease registry.
 
+Optionally (``mig``, ``dri``), as real hosts have them:
+
+- MIG instances on some GPUs (``--mig 0:7x1g.10gb,1:3x2g.20gb``): the GPU is in MIG mode;
+  each instance has a UUID, a profile, and the nvidia-caps nodes of its GPU and compute
+  instance (``dev/nvidia-caps/nvidia-cap<minor>``, minors as in the driver's
+  ``/proc/driver/nvidia-caps/mig-minors``, written to ``share/mig-minors``); the stand-in
+  nvidia-smi lists exactly the instances whose cap nodes it can see, under their GPU, and the
+  CDI spec names them ``<gpu>:<instance>`` and by UUID;
+- DRI GPUs of other vendors (``--dri intel:1,amd:2``): card and render nodes (226:N, their
+  numbers deliberately not in PCI order, card and render crossed), ``dev/dri/by-path``
+  links, PCI records under ``sys/bus/pci/devices`` as sysfs has them, and ``dev/kfd`` for
+  AMD. A sandbox's DRI GPUs are told by the numbers of the nodes it sees, as the kernel
+  tells them (``conformance.observe.visible_dri``).
+
 ``setup(..., cdi_dir=Path("/var/run/cdi"))`` also registers the CDI spec with the container
 engines, as ``gpu-sandbox-sim-<token>.yaml``; any number of simulated hosts can be
 registered at once (concurrent runs, xdist workers), ``teardown`` unregisters its own, and
@@ -28,10 +42,13 @@ Inside a sandbox, ``share/`` is mounted at ``/run/gpu-sim`` (``SANDBOX_SHARE``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 import stat
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,6 +73,21 @@ MEMORY_MIB = 81559
 UVM_MAJOR = 511
 # The bus ids of an 8-GPU DGX H100 (from recorded lspci captures), then made-up ones.
 DGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+# nvidia-caps and kfd have dynamic majors on real hosts too; unused ones will do here.
+CAPS_MAJOR = 510
+KFD_MAJOR = 509
+DRM_MAJOR = 226
+# /proc/driver/nvidia-caps/mig-minors: config 1, monitor 2, then per GPU minor 15 GPU
+# instances of 9 minors each (the GI's access, then its 8 compute instances').
+_CAPS_PER_GPU, _CAPS_PER_GI = 135, 9
+MIG_PROFILE = re.compile(r"^(?P<slices>[1-8])g\.(?P<gb>\d+)gb$")
+DRI_VENDORS = {
+    "intel": ("8086", "56a0", "Intel Arc A770", 16384),
+    "amd": ("1002", "740f", "AMD Instinct MI210", 65520),
+}
+# Where the simulated DRI GPUs sit on the PCI bus, per vendor, and how their nodes are
+# numbered: not in PCI order, and the render nodes crossed against the cards.
+DRI_BUSES = {"intel": ("0000:00:02.0", "0000:00:03.0"), "amd": ("0000:c1:00.0", "0000:c3:00.0")}
 _MARKER = "simulated-gpu-host"
 CDI_VENDOR_SUFFIX = ".nvidia.com"
 REGISTERED_PREFIX = "gpu-sandbox-sim-"
@@ -70,6 +102,8 @@ class SimulatedHost:
     root: Path
     gpus: tuple[GpuDevice, ...]
     cdi_kind: str
+    mig_devices: tuple[GpuDevice, ...] = ()
+    dri_gpus: tuple[GpuDevice, ...] = ()
 
     @property
     def share_dir(self) -> Path:
@@ -102,15 +136,28 @@ _CONTROL_NODES = (
 )
 
 
+MigLayout = Mapping[int, Sequence[str]]
+"""GPU position (PCI order) → the profiles of its MIG instances, e.g. {0: ["1g.10gb"] * 7}."""
+DriLayout = Mapping[str, int]
+"""Vendor (``intel``, ``amd``) → how many DRI GPUs of it."""
+
+
 def setup(
-    root: Path = DEFAULT_ROOT, count: int = DEFAULT_COUNT, cdi_dir: Path | None = None
+    root: Path = DEFAULT_ROOT,
+    count: int = DEFAULT_COUNT,
+    cdi_dir: Path | None = None,
+    mig: MigLayout | None = None,
+    dri: DriLayout | None = None,
 ) -> SimulatedHost:
     """Create a simulated host of ``count`` GPUs under ``root``, replacing one already there.
 
+    ``mig`` puts GPUs in MIG mode with those instances; ``dri`` adds GPUs of other vendors.
     With ``cdi_dir``, its CDI spec is also written there for the container engines to read.
     """
+    mig, dri = dict(mig or {}), dict(dri or {})
     if count < 1:
         raise SimulatedHostError(f"count must be at least 1, got {count}")
+    _check_layouts(count, mig, dri)
     if root.exists():
         teardown(root)
     dev = root / "dev"
@@ -126,11 +173,12 @@ def setup(
         _mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
     for name, major, minor in _CONTROL_NODES:
         _mknod(dev / name, major, minor)
-
     (root / "share" / "inventory.tsv").write_text(
         "# minor\tuuid\tname\tpci.bus_id\tmemory.total [MiB]\n"
         + "".join("\t".join(map(str, row)) + "\n" for row in sorted(rows))
     )
+    _make_mig(root, {_minor(p, count): profiles for p, profiles in mig.items()})
+    _make_dri(root, dri)
     package = resources.files(__package__)
     for name in ("nvidia-smi", "nvidia-smi.awk"):
         target = bindir / name
@@ -153,6 +201,112 @@ def setup(
     return host
 
 
+def parse_mig_layout(text: str) -> dict[int, list[str]]:
+    """``0:7x1g.10gb,1:3x2g.20gb`` (GPU position:count x profile, repeatable) as a layout."""
+    layout: dict[int, list[str]] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        match = re.fullmatch(r"(?P<gpu>\d+):(?:(?P<count>\d+)x)?(?P<profile>\S+)", entry)
+        if not match:
+            raise SimulatedHostError(f"not a MIG layout entry: {entry!r} (e.g. 0:7x1g.10gb)")
+        profiles = [match["profile"]] * int(match["count"] or 1)
+        layout.setdefault(int(match["gpu"]), []).extend(profiles)
+    return layout
+
+
+def parse_dri_layout(text: str) -> dict[str, int]:
+    """``intel:1,amd:2`` (vendor:count) as a layout."""
+    layout: dict[str, int] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        vendor, _, number = entry.partition(":")
+        if not number.isdigit():
+            raise SimulatedHostError(f"not a DRI layout entry: {entry!r} (e.g. amd:2)")
+        layout[vendor] = layout.get(vendor, 0) + int(number)
+    return layout
+
+
+def _check_layouts(count: int, mig: MigLayout, dri: DriLayout) -> None:
+    for position, profiles in mig.items():
+        if not 0 <= position < count:
+            raise SimulatedHostError(f"MIG on GPU {position}, but the host has {count} GPUs")
+        if not profiles or len(profiles) > 7:
+            raise SimulatedHostError(f"GPU {position}: 1 to 7 MIG instances, got {profiles}")
+        for profile in profiles:
+            if not MIG_PROFILE.match(profile):
+                raise SimulatedHostError(f"not a MIG profile: {profile!r} (e.g. 1g.10gb)")
+    for vendor, number in dri.items():
+        if vendor not in DRI_BUSES:
+            raise SimulatedHostError(f"DRI GPUs of {vendor!r}: choose {', '.join(DRI_BUSES)}")
+        if not 1 <= number <= len(DRI_BUSES[vendor]):
+            raise SimulatedHostError(
+                f"{number} {vendor} GPUs: 1 to {len(DRI_BUSES[vendor])} can be simulated"
+            )
+
+
+def _caps_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """The nvidia-caps minor of a GPU instance's access, or of its compute instance's."""
+    base = 3 + gpu_minor * _CAPS_PER_GPU + gi * _CAPS_PER_GI
+    return base if ci is None else base + 1 + ci
+
+
+def _make_mig(root: Path, mig: Mapping[int, Sequence[str]]) -> None:
+    """The MIG instances of each GPU minor: cap nodes, share/mig.tsv, share/mig-minors."""
+    caps = root / "dev" / "nvidia-caps"
+    if mig:
+        caps.mkdir()
+    rows, minors = [], ["config 1", "monitor 2"]
+    for gpu_minor, profiles in sorted(mig.items()):
+        for index, profile in enumerate(profiles):
+            gi, ci = index + 1, 0  # GPU instance 0 is the whole GPU's: real ones start at 1
+            gi_minor, ci_minor = _caps_minor(gpu_minor, gi), _caps_minor(gpu_minor, gi, ci)
+            for minor in (gi_minor, ci_minor):
+                _mknod(caps / f"nvidia-cap{minor}", CAPS_MAJOR, minor)
+            minors += [
+                f"gpu{gpu_minor}/gi{gi}/access {gi_minor}",
+                f"gpu{gpu_minor}/gi{gi}/ci{ci}/access {ci_minor}",
+            ]
+            memory = int(MIG_PROFILE.match(profile)["gb"]) * 1024  # type: ignore[index]
+            rows.append((gpu_minor, index, gi, ci, profile, f"MIG-{uuid.uuid4()}",
+                         gi_minor, ci_minor, memory))  # fmt: skip
+    (root / "share" / "mig.tsv").write_text(
+        "# gpu minor\tindex\tgi\tci\tprofile\tuuid\tgi cap minor\tci cap minor\t"
+        f"memory [MiB]\tcaps major {CAPS_MAJOR}\n"
+        + "".join("\t".join(map(str, row)) + "\n" for row in rows)
+    )
+    (root / "share" / "mig-minors").write_text("".join(f"{line}\n" for line in minors))
+
+
+def _make_dri(root: Path, dri: DriLayout) -> None:
+    """DRI GPUs: card and render nodes, by-path links, PCI records, kfd, share/dri.tsv."""
+    buses = [
+        (bus, vendor) for vendor in DRI_BUSES for bus in DRI_BUSES[vendor][: dri.get(vendor, 0)]
+    ]
+    count = len(buses)
+    drm = root / "dev" / "dri"
+    if buses:
+        (drm / "by-path").mkdir(parents=True)
+    rows = []
+    for position, (bus, vendor) in enumerate(sorted(buses)):
+        vendor_id, device_id, name, memory = DRI_VENDORS[vendor]
+        # Cards in reverse PCI order; render nodes rotated against them: card and render
+        # numbers tell nothing of which belong together, only the PCI address does.
+        card, render = count - 1 - position, 128 + (position + 1) % count
+        _mknod(drm / f"card{card}", DRM_MAJOR, card)
+        _mknod(drm / f"renderD{render}", DRM_MAJOR, render)
+        (drm / "by-path" / f"pci-{bus}-card").symlink_to(f"../card{card}")
+        (drm / "by-path" / f"pci-{bus}-render").symlink_to(f"../renderD{render}")
+        device = root / "sys" / "bus" / "pci" / "devices" / bus
+        device.mkdir(parents=True)
+        for field, value in (("vendor", vendor_id), ("device", device_id), ("class", "030000")):
+            (device / field).write_text(f"0x{value}\n")
+        rows.append((bus, vendor, name, card, render, memory))
+    if any(vendor == "amd" for _, vendor in buses):
+        _mknod(root / "dev" / "kfd", KFD_MAJOR, 0)
+    (root / "share" / "dri.tsv").write_text(
+        f"# pci.bus_id\tvendor\tname\tcard\trender\tmemory [MiB]\tkfd major {KFD_MAJOR}\n"
+        + "".join("\t".join(map(str, row)) + "\n" for row in rows)
+    )
+
+
 def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
     """The simulated host under ``root``, as ``setup`` left it."""
     if not (root / _MARKER).is_file():
@@ -161,12 +315,10 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
             f"create one with `python -m gpuhost.simulated setup --root {root}`"
         )
     kind = (root / "cdi" / "kind").read_text().strip()
+    mig_rows = _rows(root / "share" / "mig.tsv")
+    in_mig_mode = {int(row[0]) for row in mig_rows}
     gpus: list[GpuDevice] = []
-    for line in (root / "share" / "inventory.tsv").read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        minor, gpu_uuid, name, bus, memory = line.split("\t")
-        node = f"nvidia{minor}"
+    for minor, gpu_uuid, name, bus, memory in _rows(root / "share" / "inventory.tsv"):
         gpus.append(
             GpuDevice(
                 index=len(gpus),
@@ -175,13 +327,78 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
                 pci_bus_id=normalize_pci_bus_id(bus),
                 memory_mib=int(memory),
                 minor=int(minor),
-                nodes=(
-                    DeviceNode(f"/dev/{node}", NVIDIA_MAJOR, int(minor), str(root / "dev" / node)),
-                ),
+                nodes=(_node(root, f"nvidia{minor}", NVIDIA_MAJOR, int(minor)),),
                 cdi_kind=kind,
+                mig_enabled=int(minor) in in_mig_mode,
             )
         )
-    return SimulatedHost(root=root, gpus=sorted_by_pci(gpus), cdi_kind=kind)
+    ordered = sorted_by_pci(gpus)
+    by_minor = {gpu.minor: gpu for gpu in ordered}
+    migs = []
+    for gpu_minor, index, _, _, profile, mig_uuid, gi_minor, ci_minor, memory in mig_rows:
+        parent = by_minor[int(gpu_minor)]
+        caps = tuple(
+            _node(root, f"nvidia-caps/nvidia-cap{minor}", CAPS_MAJOR, int(minor))
+            for minor in (gi_minor, ci_minor)
+        )
+        migs.append(
+            dataclasses.replace(
+                parent,
+                uuid=mig_uuid,
+                name=f"{parent.name} MIG {profile}",
+                memory_mib=int(memory),
+                nodes=parent.nodes + caps,
+                parent_uuid=parent.uuid,
+                mig_index=int(index),
+                profile=profile,
+                mig_enabled=False,
+            )
+        )
+    position = {gpu.uuid: index for index, gpu in enumerate(ordered)}
+    migs.sort(key=lambda mig: (position[mig.parent_uuid or ""], mig.mig_index))
+    return SimulatedHost(
+        root=root,
+        gpus=ordered,
+        cdi_kind=kind,
+        mig_devices=tuple(migs),
+        dri_gpus=_load_dri(root),
+    )
+
+
+def _load_dri(root: Path) -> tuple[GpuDevice, ...]:
+    """The DRI GPUs, numbered per vendor in PCI order as each vendor's tools do."""
+    gpus = []
+    numbered: dict[str, int] = {}
+    kfd = _node(root, "kfd", KFD_MAJOR, 0)
+    for bus, vendor, name, card, render, memory in sorted(_rows(root / "share" / "dri.tsv")):
+        nodes = (
+            _node(root, f"dri/card{card}", DRM_MAJOR, int(card)),
+            _node(root, f"dri/renderD{render}", DRM_MAJOR, int(render)),
+        )
+        index = numbered[vendor] = numbered.get(vendor, -1) + 1
+        gpus.append(
+            GpuDevice(
+                index=index,
+                uuid=f"PCI-{bus}",
+                name=name,
+                pci_bus_id=bus,
+                memory_mib=int(memory),
+                vendor=vendor,
+                nodes=nodes + ((kfd,) if vendor == "amd" else ()),
+            )
+        )
+    return tuple(gpus)
+
+
+def _rows(path: Path) -> list[list[str]]:
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    return [line.split("\t") for line in lines if line and not line.startswith("#")]
+
+
+def _node(root: Path, name: str, major: int, minor: int) -> DeviceNode:
+    return DeviceNode(f"/dev/{name}", major, minor, str(root / "dev" / name))
 
 
 def teardown(root: Path = DEFAULT_ROOT) -> None:
@@ -228,10 +445,10 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
         }
 
     devices: list[dict[str, object]] = []
-    for gpu in host.gpus:
-        edits = {"deviceNodes": [node(n) for n in gpu.nodes]}
-        devices.append({"name": str(gpu.index), "containerEdits": edits})
-        devices.append({"name": gpu.uuid, "containerEdits": edits})
+    for device in (*host.gpus, *host.mig_devices):
+        edits = {"deviceNodes": [node(n) for n in device.nodes]}
+        for name in device.cdi_names:
+            devices.append({"name": name.partition("=")[2], "containerEdits": edits})
     devices.append(
         {
             "name": "all",

@@ -6,7 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpuhost.simulated import DEFAULT_COUNT, DEFAULT_ROOT, SimulatedHostError, load, setup, teardown
+from gpuhost.simulated import (
+    DEFAULT_COUNT,
+    DEFAULT_ROOT,
+    SimulatedHostError,
+    load,
+    parse_dri_layout,
+    parse_mig_layout,
+    setup,
+    teardown,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also register the CDI spec here for the container engines (e.g. /var/run/cdi)",
     )
+    parser.add_argument(
+        "--mig", default="", help="MIG instances, e.g. 0:7x1g.10gb,1:3x2g.20gb (GPU:NxPROFILE)"
+    )
+    parser.add_argument("--dri", default="", help="DRI GPUs of other vendors, e.g. intel:1,amd:2")
     args = parser.parse_args(argv)
     try:
         if args.action == "teardown":
@@ -27,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed the simulated GPU host at {args.root}")
             return 0
         host = (
-            setup(args.root, args.count, args.cdi_dir)
+            setup(
+                args.root,
+                args.count,
+                args.cdi_dir,
+                parse_mig_layout(args.mig),
+                parse_dri_layout(args.dri),
+            )
             if args.action == "setup"
             else load(args.root)
         )
@@ -36,9 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"simulated GPU host at {host.root}: {len(host.gpus)} GPUs (CDI spec {host.cdi_spec})")
     for gpu in host.gpus:
+        mode = ", MIG mode" if gpu.mig_enabled else ""
         print(
-            f"  GPU {gpu.index}: {gpu.name} ({gpu.uuid}, {gpu.pci_bus_id}, /dev/nvidia{gpu.minor})"
+            f"  GPU {gpu.index}: {gpu.name} ({gpu.uuid}, {gpu.pci_bus_id}, "
+            f"/dev/nvidia{gpu.minor}{mode})"
         )
+    for device in (*host.mig_devices, *host.dri_gpus):
+        nodes = ", ".join(node.path for node in device.nodes)
+        print(f"  {device.describe()}: {nodes}")
     return 0
 
 

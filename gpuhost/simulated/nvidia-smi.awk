@@ -1,6 +1,7 @@
 # The logic of the simulated nvidia-smi. ARGV[1] is the inventory (minor, uuid, name,
 # pci bus id, memory MiB; tab-separated), ARGV[2] the visible nodes as `stat -c '%F|%t|%T'`
-# lines, ARGV[3..] the user's arguments. Everything happens in BEGIN.
+# lines, ARGV[3] the MIG instances (share/mig.tsv), ARGV[4..] the user's arguments.
+# Everything happens in BEGIN.
 
 function hex2dec(h,    i, d) {
     h = tolower(h); d = 0
@@ -60,15 +61,26 @@ BEGIN {
     supported = "index,uuid,gpu_uuid,name,gpu_name,pci.bus_id,gpu_bus_id,count,driver_version,memory.total,memory.free,memory.used"
     split(supported, tmp, ","); for (k in tmp) known[tmp[k]] = 1
 
+    # The MIG instances: gpu minor, index, gi, ci, profile, uuid, gi cap minor, ci cap minor.
+    caps_major = -1; nmig = 0
+    while ((getline line < ARGV[3]) > 0) {
+        if (line ~ /^#/) { if (match(line, /caps major [0-9]+/)) caps_major = substr(line, RSTART + 11, RLENGTH - 11) + 0; continue }
+        if (line == "") continue
+        nmig++; split(line, f, "\t")
+        mig_gpu[nmig] = f[1] + 0; mig_profile[nmig] = f[5]; mig_uuid[nmig] = f[6]
+        mig_gi_cap[nmig] = f[7] + 0; mig_ci_cap[nmig] = f[8] + 0
+    }
+
     nl = split(ARGV[2], lines, "\n")
     for (k = 1; k <= nl; k++) {
         split(lines[k], part, "|")
-        if (part[1] == "character special file" && hex2dec(part[2]) == 195)
-            visible[hex2dec(part[3])] = 1
+        if (part[1] != "character special file") continue
+        if (hex2dec(part[2]) == 195) visible[hex2dec(part[3])] = 1
+        else if (hex2dec(part[2]) == caps_major) visible_cap[hex2dec(part[3])] = 1
     }
 
     mode = "table"; query = ""; format = ""; ids = ""
-    for (a = 3; a < ARGC; a++) {
+    for (a = 4; a < ARGC; a++) {
         arg = ARGV[a]
         if (arg == "-L" || arg == "--list-gpus") mode = "list"
         else if (arg == "-h" || arg == "--help") { usage(); exit 0 }
@@ -130,7 +142,15 @@ BEGIN {
     }
     for (i = 1; i <= n; i++) {
         if (!selected(i)) continue
-        if (mode == "list") printf "GPU %d: %s (UUID: %s)\n", i - 1, name[i], uuid[i]
+        if (mode == "list") {
+            printf "GPU %d: %s (UUID: %s)\n", i - 1, name[i], uuid[i]
+            # Its MIG instances whose GPU and compute instance cap nodes are both here,
+            # numbered from 0 as the ones this sandbox can use.
+            shown_mig = 0
+            for (m = 1; m <= nmig; m++)
+                if (mig_gpu[m] == minor[i] && (mig_gi_cap[m] in visible_cap) && (mig_ci_cap[m] in visible_cap))
+                    printf "  MIG %-11s Device %2d: (UUID: %s)\n", mig_profile[m], shown_mig++, mig_uuid[m]
+        }
         else if (mode == "table")
             printf "| %3d  %-32s %-17s %6d MiB / %6d MiB |\n", i - 1, name[i], bus[i], 0, mem[i]
         else {

@@ -45,10 +45,14 @@ def device_uuid(raw: object) -> str:
 
 
 def compare_devices(seen: Sequence[str], assigned: Sequence[str]) -> tuple[bool, str]:
-    """Whether the devices CUDA shows are exactly the GPUs assigned, compared by UUID."""
-    wanted = [uuid.lower() for uuid in assigned]
+    """Whether the devices CUDA shows are exactly the GPUs assigned, compared by UUID.
+
+    By the UUID's digits alone: CUDA gives a MIG instance's UUID without saying it is one,
+    so ``GPU-x`` from CUDA is the instance nvidia-smi calls ``MIG-x``.
+    """
+    wanted = [_digits(uuid) for uuid in assigned]
     strangers = [
-        uuid for uuid in seen if not any(fnmatch.fnmatchcase(w, uuid.lower()) for w in wanted)
+        uuid for uuid in seen if not any(fnmatch.fnmatchcase(w, _digits(uuid)) for w in wanted)
     ]
     if strangers:
         return False, f"CUDA shows {strangers}, not assigned to this sandbox ({list(assigned)})"
@@ -57,6 +61,10 @@ def compare_devices(seen: Sequence[str], assigned: Sequence[str]) -> tuple[bool,
     if len(seen) != len(assigned):
         return False, f"CUDA shows {len(seen)} devices {list(seen)}, {len(assigned)} assigned"
     return True, f"CUDA shows exactly the {len(seen)} assigned GPU(s)"
+
+
+def _digits(uuid: str) -> str:
+    return uuid.lower().removeprefix("gpu-").removeprefix("mig-")
 
 
 def torch_devices(cpu: bool) -> tuple[list[str], list[bool], dict[str, Any]]:

@@ -1,0 +1,115 @@
+"""AMD and Intel GPUs: DRI card and render nodes paired by PCI address, leased as NVIDIA's."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.hold import HeldSandbox
+from conformance.observe import foreign_gpu_nodes, uuids, visible_dri, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
+from drivers.base import Driver, Sandbox
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpuBusy, GpusExhausted
+from gpuhost.spec import SandboxSpec
+
+DRI_HINT = "a simulated host gets some with --sim-dri=intel:1,amd:2"
+
+
+def _dri_gpus(driver: Driver) -> tuple[GpuDevice, ...]:
+    found = driver.host.dri_gpus
+    if not found:
+        pytest.skip(f"needs AMD or Intel GPUs (the host has none; {DRI_HINT})")
+    return found
+
+
+def _vendor(driver: Driver, vendor: str, count: int = 1) -> SandboxSpec:
+    return SandboxSpec.with_gpus(count, driver=driver.name, block={"vendor": vendor})
+
+
+def _exact(driver: Driver, *device_ids: str) -> SandboxSpec:
+    return SandboxSpec.with_gpus(driver=driver.name, device_ids=list(device_ids))
+
+
+def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevice]) -> None:
+    """Both DRI nodes of each GPU given, and no other GPU's node of any kind."""
+    __tracebackhide__ = True
+    assert sorted(uuids(sandbox)) == sorted(gpu.uuid for gpu in given), (
+        f"asked for {[gpu.describe() for gpu in given]}; the driver reports {uuids(sandbox)}"
+    )
+    seen = visible_dri(sandbox, driver)
+    wanted = {gpu.pci_bus_id: {"card", "render"} for gpu in given}
+    assert seen == wanted, f"given {sorted(wanted)}, the sandbox holds the DRI nodes of {seen}"
+    foreign = foreign_gpu_nodes(sandbox, driver)
+    assert foreign == [], f"a sandbox given {sorted(wanted)} also holds {foreign}"
+    if all(gpu.vendor != "nvidia" for gpu in given):
+        assert visible_gpu_uuids(sandbox) == [], "a sandbox with no NVIDIA GPU sees one"
+
+
+@pytest.mark.requirement("DRI-ISOLATION-01")
+def test_only_the_given_dri_gpus_nodes_are_inside(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A sandbox given AMD or Intel GPUs MUST hold their nodes and no other GPU's."""
+    gpus = _dri_gpus(driver)
+    for vendor in sorted({gpu.vendor for gpu in gpus}):
+        of_vendor = [gpu for gpu in gpus if gpu.vendor == vendor]
+        for count in sorted({1, len(of_vendor)}):
+            sandbox = sandboxes(_vendor(driver, vendor, count))
+            _assert_holds_exactly(driver, sandbox, list(sandbox.gpus))
+            assert {gpu.vendor for gpu in sandbox.gpus} == {vendor}, (
+                f"{count} {vendor} GPUs asked for; got {[g.describe() for g in sandbox.gpus]}"
+            )
+            sandbox.close()
+    # Two vendors at once, by exact IDs: still only theirs.
+    vendors = {gpu.vendor: gpu for gpu in reversed(gpus)}
+    if len(vendors) >= 2:
+        pair = list(vendors.values())[:2]
+        sandbox = sandboxes(_exact(driver, *(driver.device_ids(gpu)[0] for gpu in pair)))
+        _assert_holds_exactly(driver, sandbox, pair)
+
+
+@pytest.mark.requirement("DRI-PAIRING-01")
+def test_card_and_render_nodes_are_paired_by_pci_address(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """Each DRI GPU MUST get its own card and render nodes, by PCI address, in every ID form."""
+    for gpu in _dri_gpus(driver):
+        assert gpu.pci_bus_id in driver.device_ids(gpu), (
+            f"{gpu.describe()} cannot be named by its PCI address: {driver.device_ids(gpu)}"
+        )
+        for device_id in driver.device_ids(gpu):
+            sandbox = sandboxes(_exact(driver, device_id))
+            _assert_holds_exactly(driver, sandbox, [gpu])
+            sandbox.close()
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("DRI-EXCLUSIVE-01")
+def test_a_held_dri_gpu_is_never_granted_again(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """A DRI GPU held by any process MUST never be granted again, and MUST come back."""
+    gpus = _dri_gpus(driver)
+    vendor = max({gpu.vendor for gpu in gpus}, key=lambda v: sum(g.vendor == v for g in gpus))
+    of_vendor = [gpu for gpu in gpus if gpu.vendor == vendor]
+    held = of_vendor[-1]
+    with HeldSandbox.start(driver, settings.host_config, _exact(driver, held.pci_bus_id)) as other:
+        reply = other.go()
+        assert reply["ok"], f"another process could not take {held.describe()}: {reply}"
+        for device_id in driver.device_ids(held):
+            with pytest.raises(GpuBusy):
+                sandboxes(_exact(driver, device_id))
+        rest = len(of_vendor) - 1
+        if rest:
+            others = sandboxes(_vendor(driver, vendor, rest))
+            assert held.uuid not in uuids(others), (
+                f"{held.describe()} is held by another process; a count of {rest} got it"
+            )
+        with pytest.raises(GpusExhausted):
+            sandboxes(_vendor(driver, vendor))
+    for sandbox in list(sandboxes.open):
+        sandbox.close()
+    again = sandboxes(_vendor(driver, vendor, len(of_vendor)))
+    assert sorted(uuids(again)) == sorted(gpu.uuid for gpu in of_vendor), (
+        f"every {vendor} GPU should be free again; a count of {len(of_vendor)} got {uuids(again)}"
+    )

@@ -1,0 +1,129 @@
+"""Shared GPUs: co-held by shared sandboxes only, up to a limit; exclusive after the last."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.hold import HeldSandbox
+from conformance.observe import expect_refusal, uuids, visible_gpu_uuids
+from conformance.plugin import SandboxFactory, Settings
+from drivers.base import Driver
+from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
+from gpuhost.spec import SHARED, SandboxSpec
+from gpuhost.wait import wait_until
+
+SHARING_FIELD = "resource_requirements.gpu.sharing"
+
+
+def _shared(driver: Driver, device_id: str | None = None) -> SandboxSpec:
+    if device_id is None:
+        return SandboxSpec.with_gpus(sharing=SHARED)
+    return SandboxSpec.with_gpus(driver=driver.name, device_ids=[device_id], sharing=SHARED)
+
+
+def _exclusive(driver: Driver, device_id: str) -> SandboxSpec:
+    return SandboxSpec.with_gpus(driver=driver.name, device_ids=[device_id])
+
+
+@pytest.mark.requirement("GPU-SHARED-01")
+def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """Shared sandboxes MUST share a GPU up to the limit, never with exclusive ones, or fail."""
+    if not driver.capabilities.shared:
+        expect_refusal(
+            driver, sandboxes, _shared(driver), UnsupportedGpuRequest,
+            field=SHARING_FIELD, value=SHARED,
+        )  # fmt: skip
+        return
+    if len(driver.inventory()) < 3:
+        pytest.skip(f"needs 3 GPUs (host has {len(driver.inventory())})")
+    limit = driver.host.share_limit
+    sharers = [sandboxes(_shared(driver)) for _ in range(limit)]
+    gpu = uuids(sharers[0])
+    assert len(gpu) == 1, f"a shared request for one GPU got {gpu}"
+    for sharer in sharers:
+        assert uuids(sharer) == gpu, (
+            f"{limit} shared requests may share one GPU; they got {[uuids(s) for s in sharers]}"
+        )
+        seen = visible_gpu_uuids(sharer)
+        assert seen == gpu, f"a sharer of {gpu} sees {seen}"
+    beyond = sandboxes(_shared(driver))
+    assert uuids(beyond) != gpu, f"{gpu} already had {limit} sharers, the limit; it got one more"
+
+    exclusive = sandboxes(SandboxSpec.with_gpus())
+    assert not set(uuids(exclusive)) & set(gpu + uuids(beyond)), (
+        f"an exclusive request got {uuids(exclusive)}, which shared sandboxes hold"
+    )
+    gpu_ids = driver.device_ids(next(g for g in sharers[0].gpus))
+    for device_id in gpu_ids:
+        with pytest.raises(GpuBusy):
+            sandboxes(_exclusive(driver, device_id))
+    for device_id in driver.device_ids(exclusive.gpus[0]):
+        with pytest.raises(GpuBusy):
+            sandboxes(_shared(driver, device_id))
+
+    # The same from another process: it may join a GPU with room, not a full one.
+    room = driver.device_ids(beyond.gpus[0])[0]
+    with HeldSandbox.start(driver, settings.host_config, _shared(driver, room)) as other:
+        reply = other.go()
+        assert reply["ok"], f"another process could not join {room}, shared by one: {reply}"
+        assert reply["visible"] == uuids(beyond), f"the other process's sharer sees {reply}"
+    with HeldSandbox.start(driver, settings.host_config, _shared(driver, gpu_ids[0])) as other:
+        reply = other.go()
+        assert reply == {"ok": False, "error": "GpuBusy", "message": reply.get("message")}, (
+            f"{gpu} has {limit} sharers, the limit; another process got {reply}"
+        )
+
+
+@pytest.mark.shares_gpus
+@pytest.mark.requirement("GPU-SHARED-01")
+def test_shared_requests_fail_when_every_gpu_is_full(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """Shared requests MUST get GpusExhausted once every GPU has its limit of sharers."""
+    total = len(driver.inventory())
+    for _ in range(total * driver.host.share_limit):
+        sandboxes(_shared(driver))
+    held = [uuid for sandbox in sandboxes.open for uuid in uuids(sandbox)]
+    counts = {uuid: held.count(uuid) for uuid in held}
+    assert set(counts.values()) == {driver.host.share_limit}, f"sharers per GPU: {counts}"
+    with pytest.raises(GpusExhausted):
+        sandboxes(_shared(driver))
+
+
+@pytest.mark.shares_gpus
+@pytest.mark.requirement("GPU-SHARED-02")
+def test_a_shared_gpu_is_exclusive_again_only_after_its_last_sharer(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """A shared GPU MUST return to exclusive use only when its last sharer, of any process, ends."""
+    if driver.host.share_limit < 3:
+        pytest.skip(f"needs a share limit of 3 (--gpu-share-limit={driver.host.share_limit})")
+    first = sandboxes(_shared(driver))
+    gpu = first.gpus[0]
+    device_id = driver.device_ids(gpu)[0]
+    second = sandboxes(_shared(driver, device_id))
+    with HeldSandbox.start(driver, settings.host_config, _shared(driver, device_id)) as other:
+        reply = other.go()
+        assert reply["ok"], f"another process could not share {gpu.uuid}: {reply}"
+
+        first.close()
+        assert visible_gpu_uuids(second) == [gpu.uuid], "closing one sharer took the GPU away"
+        with pytest.raises(GpuBusy):
+            sandboxes(_exclusive(driver, device_id))
+
+        other.kill()  # its creator dies: its share comes back, the others' stay
+        with pytest.raises(GpuBusy):
+            sandboxes(_exclusive(driver, device_id))
+        assert visible_gpu_uuids(second) == [gpu.uuid], "a dead sharer took the GPU away"
+
+    second.close()
+    exclusive = wait_until(
+        lambda: sandboxes(_exclusive(driver, device_id)),
+        timeout_s=settings.reclaim_timeout_s,
+        what=f"{gpu.uuid} to be exclusive again once its last sharer ended",
+        retry_on=(GpuBusy,),
+    )
+    assert uuids(exclusive) == [gpu.uuid]
+    assert visible_gpu_uuids(exclusive) == [gpu.uuid]
