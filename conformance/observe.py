@@ -13,6 +13,7 @@ import pytest
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import NVIDIA_MAJOR
 from gpuhost.errors import GpuAllocationError, RequestError
+from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.spec import SandboxSpec
 
 NVIDIA_SMI_NO_DEVICES = 6
@@ -231,6 +232,25 @@ def visible_dri(sandbox: Sandbox, driver: Driver) -> dict[str, set[str]]:
     for node in device_nodes(sandbox):
         if found := by_number.get((node.major, node.minor)):
             seen.setdefault(found[0], set()).add(found[1])
+    return seen
+
+
+def probed_dri(sandbox: Sandbox) -> dict[str, set[str]] | None:
+    """What the simulated host's probe ``dri-gpus`` reports inside, as ``visible_dri`` does.
+
+    None where there is no probe (a real host).
+    """
+    __tracebackhide__ = True
+    probe = f"{SANDBOX_SHARE}/bin/dri-gpus"
+    result = sandbox.exec(["sh", "-c", f"[ -x {probe} ] || exit 127; exec {probe}"])
+    if result.returncode == 127:
+        return None
+    result.check()
+    seen: dict[str, set[str]] = {}
+    for line in result.stdout.splitlines():
+        kind, _, rest = line.partition("\t")
+        if kind in ("card", "render"):
+            seen.setdefault(rest.split("\t")[0], set()).add(kind)
     return seen
 
 

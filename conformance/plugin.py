@@ -202,15 +202,15 @@ def pytest_configure(config: pytest.Config) -> None:
         )
         config.add_cleanup(lambda: simulated.teardown(sim.root))
         settings.host_config = dataclasses.replace(settings.host_config, sim_root=sim.root)
-    elif settings.host_config.sim_root is None and not hasattr(config, "workerinput"):
-        _one_run_at_a_time(config, settings.host_config.state_directory())
     config.stash[settings_key] = settings
 
 
 def _one_run_at_a_time(config: pytest.Config, state_dir: Path) -> None:
     """Wait for any other run on this real host: the catalogue takes every GPU in turn.
 
-    Simulated hosts need no such lock: each run has its own.
+    Taken by the first test that uses the host (under xdist, GPU tests all run in one
+    worker), so runs that never touch it (the suite's self-tests) never wait. Simulated
+    hosts need no such lock: each run has its own.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state_dir / "run.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -371,7 +371,10 @@ def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> Non
 
 @pytest.fixture(scope="session")
 def gpu_host(pytestconfig: pytest.Config) -> GpuHost:
-    return pytestconfig.stash[settings_key].host
+    settings = pytestconfig.stash[settings_key]
+    if settings.host_config.sim_root is None:
+        _one_run_at_a_time(pytestconfig, settings.host_config.state_directory())
+    return settings.host
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from conformance.hold import HeldSandbox
-from conformance.observe import foreign_gpu_nodes, uuids, visible_dri, visible_gpu_uuids
+from conformance.observe import (
+    foreign_gpu_nodes,
+    probed_dri,
+    uuids,
+    visible_dri,
+    visible_gpu_uuids,
+)
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
@@ -39,6 +45,9 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
     seen = visible_dri(sandbox, driver)
     wanted = {gpu.pci_bus_id: {"card", "render"} for gpu in given}
     assert seen == wanted, f"given {sorted(wanted)}, the sandbox holds the DRI nodes of {seen}"
+    probed = probed_dri(sandbox)
+    if driver.host.simulated:
+        assert probed == wanted, f"given {sorted(wanted)}, the probe inside reports {probed}"
     foreign = foreign_gpu_nodes(sandbox, driver)
     assert foreign == [], f"a sandbox given {sorted(wanted)} also holds {foreign}"
     if all(gpu.vendor != "nvidia" for gpu in given):

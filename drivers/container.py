@@ -74,6 +74,9 @@ class ContainerRequest:
     device_nodes: tuple[DeviceNode, ...] = ()
     """Nodes passed as they are, read-write at the same path: AMD and Intel GPUs' DRI nodes
     (and /dev/kfd), as ROCm's and Intel's container guides pass them; NVIDIA's go by CDI."""
+    tool_mounts: tuple[tuple[str, str], ...] = ()
+    """Read-only binds (host path, container path) of a simulated host's GPU tools, for
+    devices no CDI spec brings them with (its spec mounts them with NVIDIA's)."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,9 @@ class ContainerDriver(Driver):
             env=dict(launch.env),
             keepalive=keepalive.path,
             device_nodes=nodes,
+            tool_mounts=tuple((str(source), target) for source, target in self.host.tool_mounts)
+            if nodes and not devices
+            else (),
         )
         try:
             container_id = self._create(request)

@@ -83,7 +83,13 @@ class DockerDriver(ContainerDriver):
             security_opt=["no-new-privileges"],
             device_requests=devices if request.cdi_devices else None,
             devices=[f"{node.source}:{node.path}:rwm" for node in request.device_nodes] or None,
-            mounts=[Mount(KEEPALIVE_PATH, str(request.keepalive), type="bind", read_only=True)],
+            mounts=[
+                Mount(KEEPALIVE_PATH, str(request.keepalive), type="bind", read_only=True),
+                *(
+                    Mount(target, source, type="bind", read_only=True)
+                    for source, target in request.tool_mounts
+                ),
+            ],
         )
         created = api.create_container(
             request.image,

@@ -78,12 +78,11 @@ class PodmanDriver(ContainerDriver):
                 *(f"{node.source}:{node.path}:rwm" for node in request.device_nodes),
             ],
             mounts=[
-                {
-                    "type": "bind",
-                    "source": str(request.keepalive),
-                    "target": KEEPALIVE_PATH,
-                    "read_only": True,
-                }
+                {"type": "bind", "source": source, "target": target, "read_only": True}
+                for source, target in [
+                    (str(request.keepalive), KEEPALIVE_PATH),
+                    *request.tool_mounts,
+                ]
             ],
             stop_timeout=0,  # else a forced removal waits 10 s
             auto_remove=True,

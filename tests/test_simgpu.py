@@ -802,3 +802,26 @@ def test_layout_texts() -> None:
     assert parse_dri_layout("intel:1,amd:2") == {"intel": 1, "amd": 2}
     with pytest.raises(SimulatedHostError, match="not a DRI layout entry"):
         parse_dri_layout("amd")
+
+
+@pytest.mark.usefixtures("sandbox")
+def test_the_dri_probe_reports_the_gpus_whose_nodes_are_bound(mig_host: SimulatedHost) -> None:
+    intel, amd0, amd1 = mig_host.dri_gpus
+    binds = [(n.source, n.path) for n in amd1.nodes]
+    # A card bound under another name is still that card: the probe reads numbers.
+    card = next(n for n in intel.nodes if "/card" in n.path)
+    binds.append((card.source, "/dev/dri/card99"))
+    probe = f"{SANDBOX_SHARE}/bin/dri-gpus"
+    result = smi(mig_host, nodes=binds, command=(probe,), control=False)
+    assert result.returncode == 0, result.stderr
+    render = next(n.path for n in amd1.nodes if "/renderD" in n.path)
+    own_card = next(n.path for n in amd1.nodes if "/card" in n.path)
+    assert sorted(result.stdout.splitlines()) == sorted(
+        [
+            f"card\t{amd1.pci_bus_id}\tamd\t{own_card}",
+            f"render\t{amd1.pci_bus_id}\tamd\t{render}",
+            f"card\t{intel.pci_bus_id}\tintel\t/dev/dri/card99",
+            "kfd\t/dev/kfd",
+        ]
+    )
+    assert amd0.pci_bus_id not in result.stdout

@@ -28,9 +28,9 @@ Optionally (``mig``, ``dri``), as real hosts have them:
   CDI spec names them ``<gpu>:<instance>`` and by UUID;
 - DRI GPUs of other vendors (``--dri intel:1,amd:2``): card and render nodes (226:N, their
   numbers deliberately not in PCI order, card and render crossed), ``dev/dri/by-path``
-  links, PCI records under ``sys/bus/pci/devices`` as sysfs has them, and ``dev/kfd`` for
-  AMD. A sandbox's DRI GPUs are told by the numbers of the nodes it sees, as the kernel
-  tells them (``conformance.observe.visible_dri``).
+  links, PCI records under ``sys/bus/pci/devices`` as sysfs has them, ``dev/kfd`` for AMD,
+  and ``share/bin/dri-gpus``, a stand-in probe that reports which DRI GPUs a sandbox can
+  open, identified by the numbers of the nodes it sees, as the kernel identifies them.
 
 ``setup(..., cdi_dir=Path("/var/run/cdi"))`` also registers the CDI spec with the container
 engines, as ``gpu-sandbox-sim-<token>.yaml``; any number of simulated hosts can be
@@ -180,7 +180,7 @@ def setup(
     _make_mig(root, {_minor(p, count): profiles for p, profiles in mig.items()})
     _make_dri(root, dri)
     package = resources.files(__package__)
-    for name in ("nvidia-smi", "nvidia-smi.awk"):
+    for name in ("nvidia-smi", "nvidia-smi.awk", "dri-gpus"):
         target = bindir / name
         target.write_bytes(package.joinpath(name).read_bytes())
         target.chmod(0o755)
