@@ -8,9 +8,10 @@
 3. The lease registry: grant + release per second with 8 processes contending, and double
    grants (a GPU held by two processes at once). Target: at least 2,000/s and zero, where
    registries live by default (/run, a tmpfs); the rate on disk is reported beside it.
-4. The same on a host with MIG instances and shared GPUs: every other grant a MIG instance,
-   the others a shared GPU, where a grant weighs instances against their GPUs and shared
-   leases against their limit. Target: at least 2,000/s.
+4. The same on a MIG host (8 GPUs of 7 instances each, 56 in all, and 2 whole GPUs): every
+   other grant an exclusive MIG instance, the others a shared whole GPU, where a grant
+   weighs instances against their GPUs and shared leases against their limit. Target: at
+   least 2,000/s.
 
 Runs on a simulated GPU host of its own, in a temporary directory.
 """
@@ -210,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{grants:,} grants  (target 0)"
         )
 
-        layout = simulated.parse_mig_layout("0:7x1g.10gb,1:7x1g.10gb,2:7x1g.10gb,3:7x1g.10gb")
-        mig = simulated.setup(Path(tmp) / "mig", 8, mig=layout)
+        # 8 GPUs in MIG mode (56 instances, as an 8 x H100 host in 7 x 1g.10gb) beside 2
+        # whole GPUs, so that every other grant can be a shared one.
+        layout = simulated.parse_mig_layout(",".join(f"{gpu}:7x1g.10gb" for gpu in range(8)))
+        mig = simulated.setup(Path(tmp) / "mig", 10, mig=layout)
         print(
-            "\n4. the same on 4 GPUs with 28 MIG instances and 4 whole GPUs: every other "
-            "grant a MIG instance, the others a shared GPU"
+            f"\n4. the same on a MIG host, {len(mig.mig_devices)} MIG instances and "
+            f"{sum(not gpu.mig_enabled for gpu in mig.gpus)} whole GPUs: every other grant an "
+            "exclusive MIG instance, the others a shared whole GPU"
         )
         with tempfile.TemporaryDirectory(prefix="gpu-bench-", dir=_run_dir()) as run:
             rate, grants, _, exhausted = bench_registry(
