@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch
 from drivers.reference import ReferenceDriver, ReferenceSandbox
+from gpuhost.spec import DriverCapabilities
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -33,3 +35,13 @@ class _HangingSandbox(ReferenceSandbox):
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         threading.Event().wait()
         raise AssertionError("unreachable")
+
+
+class CountsOnlyDriver(ReferenceDriver):
+    """A driver that takes GPU counts but no exact device IDs, as a Kubernetes one does."""
+
+    name = "counts-only"
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, exact_ids=False, exact_id_forms="")
