@@ -44,9 +44,10 @@ if TYPE_CHECKING:
 PROG = "gpu-sandbox"
 DEFAULT_DRIVER = "reference"
 DEFAULT_COMMAND = ("nvidia-smi", "-L")
-NO_TIMEOUT_S = 10 * 365 * 24 * 3600.0
+NO_TIMEOUT_S = 20 * 24 * 3600.0
 """``run`` without ``--timeout``: a command run by hand runs as long as its user wants, and
-Ctrl-C ends it. (The drivers take a number; this one is below every timer's maximum.)"""
+Ctrl-C ends it. The drivers take a number: 20 days is below poll(2)'s maximum (24.8 days),
+through which a driver may wait for the command's output."""
 EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EPILOG = """\

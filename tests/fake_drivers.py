@@ -6,7 +6,7 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.spec import DriverCapabilities
 
@@ -45,3 +45,26 @@ class CountsOnlyDriver(ReferenceDriver):
     @property
     def capabilities(self) -> DriverCapabilities:
         return dataclasses.replace(super().capabilities, exact_ids=False, exact_id_forms="")
+
+
+class OutputAtTheEnd(ReferenceDriver):
+    """A driver whose sandboxes keep the contract's default ``exec_stream``.
+
+    As a driver written before it existed does: the output comes once the command ended.
+    """
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.__class__ = _DefaultStreamSandbox
+        return sandbox
+
+
+class _DefaultStreamSandbox(ReferenceSandbox):
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        return Sandbox.exec_stream(self, argv, stdout, stderr, timeout)

@@ -31,6 +31,7 @@ from gpu_sandbox.flags import GpuFlags, spec_dict
 from gpuhost import simulated
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import LEASE_FILE
 from gpuhost.spec import SandboxSpec
 
 # One simulated host serves the module, and its tests count what is held on it.
@@ -67,22 +68,20 @@ def cli_driver(request: pytest.FixtureRequest, sim: simulated.SimulatedHost) -> 
     instance.reap(session)
 
 
-def gpu_sandbox(
-    *args: str | Path, timeout: float = CLI_TIMEOUT_S
-) -> subprocess.CompletedProcess[str]:
+def gpu_sandbox(*args: str | Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(GPU_SANDBOX), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=CLI_TIMEOUT_S,
         check=False,
-        env=_env(),
+        env=_env(**env),
     )
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     # tests.fake_drivers must be importable by the command, as an out-of-tree driver would be.
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
 def run(driver: Driver, *args: str) -> subprocess.CompletedProcess[str]:
@@ -109,11 +108,19 @@ def expected(*devices: GpuDevice) -> set[str]:
 
 
 def assert_nothing_left(driver: Driver) -> None:
+    """No sandbox of the session, and no lease of it in the registry's file.
+
+    The file as it is, not ``LeaseRegistry.leases()``, which would reclaim the leases of
+    dead holders and so hide a sandbox that was never closed but died with the command.
+    """
     __tracebackhide__ = True
     session = driver.session_id
     assert driver.sandboxes(session) == [], f"sandboxes of {session} left"
-    left = [lease for lease in driver.host.leases.leases() if lease.session_id == session]
-    assert left == [], f"leases of {session} left"
+    registry = driver.host.leases.directory / LEASE_FILE
+    text = (registry.read_text() if registry.exists() else "") or '{"leases": []}'
+    recorded, _ = json.JSONDecoder().raw_decode(text)
+    left = [lease for lease in recorded["leases"] if lease["session_id"] == session]
+    assert left == [], f"leases of {session} left in the registry"
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -220,9 +227,18 @@ def test_run_exits_with_the_commands_exit_code(cli_driver: Driver, code: int) ->
     assert_nothing_left(cli_driver)
 
 
+def test_run_on_a_driver_that_writes_output_at_the_end(sim: simulated.SimulatedHost) -> None:
+    """The contract's default ``exec_stream``, with no --timeout: all of it comes through."""
+    result = gpu_sandbox(
+        "run", "--driver=tests.fake_drivers:OutputAtTheEnd", f"--sim-root={sim.root}", "--gpu",
+        "--", "sh", "-c", "echo out; echo err >&2; exit 4",
+    )  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (4, "out\n", "err\n")
+
+
 def test_run_passes_output_through_as_it_is_written(cli_driver: Driver) -> None:
     """A line written before a long pause arrives before the pause ends, on each stream."""
-    script = "echo first; echo first-err >&2; sleep 30; echo never"
+    script = "echo first; echo first-err >&2; sleep 600; echo never"
     with _started(cli_driver, "--gpu", "--", "sh", "-c", script) as process:
         assert _line(process.stdout) == "first\n"
         assert _line(process.stderr) == "first-err\n"
@@ -473,6 +489,25 @@ def test_gpus_lists_each_device_its_ids_and_who_holds_it(cli_driver: Driver) -> 
     assert f"{cli_driver.name} sandbox {sandbox.id} session {cli_driver.session_id}" in line
     free = cli_driver.inventory()[0]
     assert re.search(rf"^{free.index} +{free.uuid} .* free$", text, re.MULTILINE), text
+
+
+def test_gpus_and_spec_answer_without_the_engine(sim: simulated.SimulatedHost) -> None:
+    """With docker not answering, its IDs come from the CDI specs on disk, and spec answers."""
+    if not (sim.root / "cdi" / "registered").is_file():
+        pytest.skip(f"the simulated host's CDI spec is not registered in {CDI_DIR} (not root)")
+    gone = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    listing = json.loads(gpu_sandbox("gpus", f"--sim-root={sim.root}", "--json", **gone).stdout)
+    gpu = sim.gpus[1]
+    (row,) = [row for row in listing["gpus"] if row["uuid"] == gpu.uuid]
+    assert row["ids"]["docker"] == list(gpu.cdi_names)
+    report = gpu_sandbox(
+        "spec", "--driver=docker", f"--sim-root={sim.root}", f"--gpu-device={gpu.cdi_names[0]}",
+        "--json", **gone,
+    )  # fmt: skip
+    assert report.returncode == 0, report
+    verdict = json.loads(report.stdout)
+    assert (verdict["valid"], verdict["resolved"]) == (True, None)
+    assert verdict["unresolved"].startswith("DockerException: "), verdict
 
 
 def test_gpus_on_this_machine_names_every_discovery_source(tmp_path: Path) -> None:
