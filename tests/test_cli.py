@@ -34,8 +34,6 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import LEASE_FILE
 from gpuhost.spec import SandboxSpec
 
-# One simulated host serves the module, and its tests count what is held on it.
-pytestmark = pytest.mark.xdist_group("gpu-sandbox-cli")
 ROOT = Path(__file__).parent.parent
 GPU_SANDBOX = Path(sys.executable).parent / "gpu-sandbox"
 CDI_DIR = Path("/var/run/cdi")
@@ -44,6 +42,9 @@ CLI_TIMEOUT_S = 120.0
 OUTPUT_TIMEOUT_S = 60.0
 """How long the first line of a running command may take to come through."""
 DRIVERS = ("reference", "docker", "podman")
+ENGINE_GROUP = pytest.mark.xdist_group("engines")
+"""Tests that use an engine run in tests/test_engines.py's group, one of which stops dockerd.
+(Under xdist each worker has a simulated host of its own: no other grouping is needed.)"""
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,11 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[simulated.Simulate
     simulated.teardown(host.root)
 
 
-@pytest.fixture(params=DRIVERS)
+@pytest.fixture(
+    params=[
+        pytest.param(name, marks=[ENGINE_GROUP] if name != "reference" else []) for name in DRIVERS
+    ]
+)
 def cli_driver(request: pytest.FixtureRequest, sim: simulated.SimulatedHost) -> Iterator[Driver]:
     """The driver, with a session of this test's own; skipped where it cannot run."""
     session = f"cli-test-{uuid.uuid4().hex[:8]}"
@@ -240,8 +245,8 @@ def test_run_passes_output_through_as_it_is_written(cli_driver: Driver) -> None:
     """A line written before a long pause arrives before the pause ends, on each stream."""
     script = "echo first; echo first-err >&2; sleep 600; echo never"
     with _started(cli_driver, "--gpu", "--", "sh", "-c", script) as process:
-        assert _line(process.stdout) == "first\n"
-        assert _line(process.stderr) == "first-err\n"
+        assert _line(process, process.stdout) == "first\n"
+        assert _line(process, process.stderr) == "first-err\n"
         process.terminate()
 
 
@@ -256,7 +261,7 @@ def test_a_signal_during_run_leaves_no_sandbox_and_no_lease(
     with _started(
         cli_driver, "--gpu-count=2", "--", "sh", "-c", "echo started; sleep 60"
     ) as process:
-        assert _line(process.stdout) == "started\n"
+        assert _line(process, process.stdout) == "started\n"
         session = cli_driver.session_id
         assert len(cli_driver.sandboxes(session)) == 1
         held = [lease for lease in cli_driver.host.leases.leases() if lease.session_id == session]
@@ -303,10 +308,14 @@ class _started:
                 stream.close()
 
 
-def _line(stream: IO[str] | None) -> str:
+def _line(process: subprocess.Popen[str], stream: IO[str] | None) -> str:
+    """The next line of one of the command's streams; what it said so far if none comes."""
     assert stream is not None
     ready, _, _ = select.select([stream], [], [], OUTPUT_TIMEOUT_S)
-    assert ready, f"no output within {OUTPUT_TIMEOUT_S:g} s"
+    if not ready:
+        process.kill()
+        out, err = process.communicate(timeout=CLI_TIMEOUT_S)
+        pytest.fail(f"no output within {OUTPUT_TIMEOUT_S:g} s; stdout {out!r}, stderr {err!r}")
     return stream.readline()
 
 
@@ -540,6 +549,7 @@ def test_reap_removes_what_a_session_left(cli_driver: Driver) -> None:
     sandbox.close()
 
 
+@ENGINE_GROUP
 def test_reap_with_no_driver_named_asks_every_registered_one(sim: simulated.SimulatedHost) -> None:
     result = gpu_sandbox("reap", "nothing-here", f"--sim-root={sim.root}")
     assert result.returncode == 0, result
