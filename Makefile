@@ -132,5 +132,10 @@ bench-engines: venv engines
 bench-workloads: venv host-packages
 	$(BIN)/python -m bench.workloads $(BENCH_ARGS)
 
+# How fast `gpu-sandbox spec` starts, beside `python -c pass` (README: Try a driver by hand).
+.PHONY: bench-cli
+bench-cli: venv
+	$(BIN)/python -m bench.cli $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) $(REPORTS) *.egg-info

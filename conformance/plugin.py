@@ -30,6 +30,7 @@ from conformance import requirements
 from conformance.report import Entry, Results, entry, text_table, to_markdown, write
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver, Sandbox
+from drivers.reaping import reap_session
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import DEFAULT_SHARE_LIMIT
@@ -283,16 +284,11 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     if session is None:
         return None
     settings = _settings(config)
-    status = 0
-    for name, cls in settings.drivers.items():
-        try:
-            removed = cls(settings.host, session, settings.image).reap(session)
-        except Exception as exc:  # e.g. an engine that is not running: named, it is an error
-            print(f"{name}: not reaped: {type(exc).__name__}: {exc}")  # noqa: T201
-            status = 1 if settings.explicit else status
-            continue
-        print(f"{name}: removed {len(removed)} sandbox(es) of session {session}")  # noqa: T201
-    return status
+    results = reap_session(settings.host, session, settings.drivers, settings.image)
+    for result in results:
+        print(result.line)  # noqa: T201
+    # A driver that could not reap is an error when it was named, e.g. an engine not running.
+    return 1 if settings.explicit and any(result.error for result in results) else 0
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

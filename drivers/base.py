@@ -98,6 +98,25 @@ class Sandbox(ABC):
         outlives ``timeout`` (it is killed), ``SandboxExecError`` when it cannot be run.
         """
 
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        """Run ``argv`` inside the sandbox, its output going to ``stdout`` and ``stderr``.
+
+        Those are file descriptors; it returns the command's exit code, and fails as ``exec``
+        does. This default runs ``exec`` and writes the output once the command has ended (decoded
+        and encoded again as UTF-8). A driver that can pass output through as the command
+        writes it overrides it (``gpu-sandbox run`` streams through it).
+        """
+        result = self.exec(argv, timeout)
+        write_all(stdout, result.stdout.encode())
+        write_all(stderr, result.stderr.encode())
+        return result.returncode
+
     def close(self) -> None:
         """Stop the sandbox and release its GPUs; calling it again does nothing.
 
@@ -141,6 +160,13 @@ class Sandbox(ABC):
     def __repr__(self) -> str:
         gpus = ", ".join(gpu.uuid for gpu in self.gpus) or "no GPUs"
         return f"<{type(self).__name__} {self.id} of {self.driver} with {gpus}>"
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``: a pipe takes a large write in parts."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 @dataclass(frozen=True)
@@ -235,6 +261,14 @@ class Driver(ABC):
     @abstractmethod
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         """The exact, driver-native IDs that name ``gpu`` in ``gpu_device_ids``."""
+
+    def device_ids_offline(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """``device_ids`` as far as they can be told without asking an engine or a server.
+
+        For listings (``gpu-sandbox gpus``) that must answer when an engine does not. The
+        default is ``device_ids``; a driver whose IDs come from its engine overrides it.
+        """
+        return self.device_ids(gpu)
 
     @classmethod
     def holder_alive(cls, holder: Holder) -> bool:

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Launch, Sandbox
+from drivers.base import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    Availability,
+    Driver,
+    ExecResult,
+    Launch,
+    Sandbox,
+    write_all,
+)
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, DeviceNode, GpuDevice
 from gpuhost.errors import (
@@ -87,6 +95,7 @@ class ExecOutput:
 
 
 Client = TypeVar("Client")
+Result = TypeVar("Result")
 
 
 def client_cache(make: Callable[[str, int], Client]) -> Callable[[str, int], Client]:
@@ -155,8 +164,13 @@ class ContainerDriver(Driver):
     @abstractmethod
     def has_image(self, image: str) -> bool: ...
 
-    engine_errors: ClassVar[tuple[type[Exception], ...]]
-    """What the engine's client library raises when the engine refuses or fails a call."""
+    @classmethod
+    @abstractmethod
+    def engine_errors(cls) -> tuple[type[Exception], ...]:
+        """What the engine's client library raises when the engine refuses or fails a call.
+
+        A method, so that the client library is imported only once an engine is used.
+        """
 
     @abstractmethod
     def create_container(self, request: ContainerRequest) -> str:
@@ -168,6 +182,23 @@ class ContainerDriver(Driver):
     @abstractmethod
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
         """Run a command in the container and wait for it; ``EngineError`` if it cannot."""
+
+    def exec_stream_in(
+        self,
+        container_id: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout: int,
+        stderr: int,
+    ) -> int:
+        """``exec_in``, writing the output to the file descriptors as the engine sends it.
+
+        This default writes it once the command has ended; engines override it.
+        """
+        output = self.exec_in(container_id, argv, env)
+        write_all(stdout, output.stdout)
+        write_all(stderr, output.stderr)
+        return output.returncode
 
     @abstractmethod
     def remove_container(self, container_id: str) -> None:
@@ -272,9 +303,25 @@ class ContainerDriver(Driver):
         return self.host.pool(plan.vendor, plan.mig_profile)
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        return self._device_ids(gpu, lambda: self.cdi_registry)
+
+    def device_ids_offline(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """The names in the CDI specs of the default directories, without asking the engine.
+
+        Engines read those unless configured otherwise (docker says where it reads them).
+        """
+        return self._device_ids(gpu, lambda: self._default_cdi_registry)
+
+    @functools.cached_property
+    def _default_cdi_registry(self) -> cdi.CdiRegistry:
+        return cdi.load(cdi.DEFAULT_SPEC_DIRS, self.cdi_kind)
+
+    def _device_ids(
+        self, gpu: GpuDevice, registry: Callable[[], cdi.CdiRegistry]
+    ) -> tuple[str, ...]:
         if gpu.vendor != "nvidia":
             return (gpu.pci_bus_id, *(node.path for node in gpu.nodes if "/dri/" in node.path))
-        return self.cdi_registry.names_of(gpu)
+        return registry().names_of(gpu)
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
         """Each device's IDs, and ``<kind>=all`` for every NVIDIA GPU at once, whole.
@@ -324,7 +371,7 @@ class ContainerDriver(Driver):
                 self.start_created(container_id)
             except BaseException as exc:
                 self.remove_container(container_id)
-                if isinstance(exc, self.engine_errors):
+                if isinstance(exc, self.engine_errors()):
                     raise SandboxStartError(
                         f"{self.name} could not start {request.name} with CDI devices "
                         f"{list(request.cdi_devices)}: {self.explain(exc)}"
@@ -341,7 +388,7 @@ class ContainerDriver(Driver):
     def _create(self, request: ContainerRequest) -> str:
         try:
             return self.create_container(request)
-        except self.engine_errors as exc:
+        except self.engine_errors() as exc:
             if not self.has_image(request.image):
                 raise UnknownImage(
                     "image",
@@ -470,6 +517,33 @@ class ContainerSandbox(Sandbox):
         self._engine = engine
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        output = self._run(
+            argv, timeout, lambda env: self._engine.exec_in(self.container_id, argv, env)
+        )
+        return ExecResult(
+            tuple(argv),
+            output.returncode,
+            output.stdout.decode(errors="replace"),
+            output.stderr.decode(errors="replace"),
+        )
+
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        return self._run(
+            argv,
+            timeout,
+            lambda env: self._engine.exec_stream_in(self.container_id, argv, env, stdout, stderr),
+        )
+
+    def _run(
+        self, argv: Sequence[str], timeout: float, execute: Callable[[Mapping[str, str]], Result]
+    ) -> Result:
+        """``execute`` with the exec's environment, killing what it started at ``timeout``."""
         if not argv:
             raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
         if self.closed:
@@ -478,7 +552,7 @@ class ContainerSandbox(Sandbox):
         timer = _Timeout(timeout, needle)
         timer.start()
         try:
-            output = self._engine.exec_in(self.container_id, argv, {EXEC_MARKER_ENV: marker})
+            output = execute({EXEC_MARKER_ENV: marker})
         except EngineError as exc:
             if timer.fired:
                 raise ExecTimeout(argv, timeout) from exc
@@ -489,12 +563,7 @@ class ContainerSandbox(Sandbox):
             timer.cancel()
         if timer.fired:
             raise ExecTimeout(argv, timeout)
-        return ExecResult(
-            tuple(argv),
-            output.returncode,
-            output.stdout.decode(errors="replace"),
-            output.stderr.decode(errors="replace"),
-        )
+        return output
 
     def stop(self) -> None:
         self._keepalive.close()

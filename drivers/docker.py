@@ -7,18 +7,18 @@ it: ``$DOCKER_HOST``, else ``unix:///var/run/docker.sock``.
 
 GPUs are injected with ``DeviceRequest(driver="cdi", device_ids=[...])``, never with
 ``--gpus``, which needs the NVIDIA runtime.
+
+The docker SDK is imported only once the engine is used: a process that only names this
+driver (``gpu-sandbox spec``) does not pay for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import docker
-import docker.errors
-import requests
-from docker.types import DeviceRequest, Mount
-
+from drivers.base import write_all
 from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
@@ -34,15 +34,24 @@ from drivers.container import (
     client_cache,
 )
 
+if TYPE_CHECKING:
+    import docker
+
 
 class DockerDriver(ContainerDriver):
     name = "docker"
     holder_kind = "docker"
-    engine_errors = (docker.errors.DockerException, requests.RequestException)
     url_env = "DOCKER_HOST"
     default_url = "unix:///var/run/docker.sock"
     cli = "docker"
     cli_url_flag = "host"
+
+    @classmethod
+    def engine_errors(cls) -> tuple[type[Exception], ...]:
+        import docker.errors
+        import requests
+
+        return (docker.errors.DockerException, requests.RequestException)
 
     @property
     def api(self) -> docker.APIClient:
@@ -66,6 +75,8 @@ class DockerDriver(ContainerDriver):
         return tuple(Path(d) for d in dirs)
 
     def has_image(self, image: str) -> bool:
+        import docker.errors
+
         try:
             self.api.inspect_image(image)  # type: ignore[no-untyped-call]
         except docker.errors.ImageNotFound:
@@ -73,6 +84,8 @@ class DockerDriver(ContainerDriver):
         return True
 
     def create_container(self, request: ContainerRequest) -> str:
+        from docker.types import DeviceRequest, Mount
+
         api = self.api
         devices = [DeviceRequest(driver="cdi", device_ids=list(request.cdi_devices))]
         host_config = api.create_host_config(
@@ -110,11 +123,31 @@ class DockerDriver(ContainerDriver):
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             stdout, stderr = api.exec_start(exec_id, demux=True)
             returncode = api.exec_inspect(exec_id)["ExitCode"]
-        except self.engine_errors as exc:
+        except self.engine_errors() as exc:
             raise EngineError(self.explain(exc)) from exc
         return ExecOutput(returncode, stdout or b"", stderr or b"")
 
+    def exec_stream_in(
+        self,
+        container_id: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout: int,
+        stderr: int,
+    ) -> int:
+        api = _client(self.url, EXEC_API_TIMEOUT_S).api
+        try:
+            exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
+            for out, err in api.exec_start(exec_id, stream=True, demux=True):
+                write_all(stdout, out or b"")
+                write_all(stderr, err or b"")
+            return int(api.exec_inspect(exec_id)["ExitCode"])
+        except self.engine_errors() as exc:
+            raise EngineError(self.explain(exc)) from exc
+
     def remove_container(self, container_id: str) -> None:
+        import docker.errors
+
         try:
             self.api.remove_container(container_id, force=True)
         except docker.errors.NotFound:
@@ -126,6 +159,9 @@ class DockerDriver(ContainerDriver):
     def stop_container(self, container_id: str) -> None:
         # The main process is exiting by itself and auto-remove follows: waiting for that is
         # quicker than killing and removing it, and it is what `docker run --rm` does.
+        import docker.errors
+        import requests
+
         try:
             self.api.wait(container_id, timeout=STOP_TIMEOUT_S, condition="removed")
         except docker.errors.NotFound:
@@ -134,6 +170,8 @@ class DockerDriver(ContainerDriver):
             self.remove_container(container_id)
 
     def kill_container(self, container_id: str) -> None:
+        import docker.errors
+
         try:
             self.api.kill(container_id, "SIGKILL")
         except docker.errors.APIError as exc:
@@ -149,6 +187,8 @@ class DockerDriver(ContainerDriver):
 
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
+        import docker.errors
+
         try:
             _liveness_client(url, LIVENESS_TIMEOUT_S).api.inspect_container(container_id)
         except docker.errors.NotFound:
@@ -156,11 +196,13 @@ class DockerDriver(ContainerDriver):
         return True
 
 
-_client = client_cache(
-    lambda url, timeout: docker.DockerClient(base_url=url, timeout=timeout, version="auto")
-)
+def _docker_client(url: str, timeout: int, version: str) -> docker.DockerClient:
+    import docker
+
+    return docker.DockerClient(base_url=url, timeout=timeout, version=version)
+
+
+_client = client_cache(lambda url, timeout: _docker_client(url, timeout, "auto"))
 # The oldest API version dockerd 25 and later still serve: asking a hung engine for its
 # version first would double the wait of every liveness check.
-_liveness_client = client_cache(
-    lambda url, timeout: docker.DockerClient(base_url=url, timeout=timeout, version="1.24")
-)
+_liveness_client = client_cache(lambda url, timeout: _docker_client(url, timeout, "1.24"))

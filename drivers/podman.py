@@ -6,17 +6,18 @@ Host needs: podman 4.1 or newer (Debian 12's 4.3 works with runc), its REST serv
 service is found as the podman CLI finds it: ``$CONTAINER_HOST``, else the rootful socket.
 
 GPUs are injected as CDI names in ``devices``; podman 4.3 accepts ``--gpus`` and ignores it.
+
+podman-py is imported only once the service is used.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import podman
-import podman.errors
-import requests
-
+from drivers.base import write_all
 from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
@@ -34,15 +35,24 @@ from drivers.container import (
 from gpuhost import cdi
 from gpuhost.wait import wait_until
 
+if TYPE_CHECKING:
+    import podman
+
 
 class PodmanDriver(ContainerDriver):
     name = "podman"
     holder_kind = "podman"
-    engine_errors = (podman.errors.PodmanError, requests.RequestException)
     url_env = "CONTAINER_HOST"
     default_url = "unix:///run/podman/podman.sock"
     cli = "podman"
     cli_url_flag = "url"
+
+    @classmethod
+    def engine_errors(cls) -> tuple[type[Exception], ...]:
+        import podman.errors
+        import requests
+
+        return (podman.errors.PodmanError, requests.RequestException)
 
     @property
     def client(self) -> podman.PodmanClient:
@@ -97,14 +107,55 @@ class PodmanDriver(ContainerDriver):
         try:
             container = client.containers.get(container_id)
             returncode, output = container.exec_run(list(argv), environment=dict(env), demux=True)
-        except self.engine_errors as exc:
+        except self.engine_errors() as exc:
             raise EngineError(str(exc)) from exc
         if returncode is None or not isinstance(output, tuple):
             raise EngineError(f"podman gave no exit code for {list(argv)!r}")
         stdout, stderr = output
         return ExecOutput(returncode, stdout or b"", stderr or b"")
 
+    def exec_stream_in(
+        self,
+        container_id: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout: int,
+        stderr: int,
+    ) -> int:
+        # podman-py's exec_run(stream=True) gives no exit code: its own calls, one by one.
+        from podman.api import stream_frames
+
+        api = _client(self.url, EXEC_API_TIMEOUT_S).api
+        exec_config = {
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "Cmd": list(argv),
+            "Env": [f"{key}={value}" for key, value in env.items()],
+        }
+        try:
+            created = api.post(f"/containers/{container_id}/exec", data=json.dumps(exec_config))
+            created.raise_for_status()
+            exec_id = created.json()["Id"]
+            started = api.post(
+                f"/exec/{exec_id}/start", data=json.dumps({"Detach": False}), stream=True
+            )
+            started.raise_for_status()
+            for frame in stream_frames(started, demux=True):
+                out, err = frame if isinstance(frame, tuple) else (frame, b"")
+                write_all(stdout, out or b"")
+                write_all(stderr, err or b"")
+            inspected = api.get(f"/exec/{exec_id}/json")
+            inspected.raise_for_status()
+            returncode = inspected.json()["ExitCode"]
+        except self.engine_errors() as exc:
+            raise EngineError(str(exc)) from exc
+        if not isinstance(returncode, int):
+            raise EngineError(f"podman gave no exit code for {list(argv)!r}")
+        return returncode
+
     def remove_container(self, container_id: str) -> None:
+        import podman.errors
+
         try:
             self.client.containers.remove(container_id, force=True)
         except podman.errors.NotFound:
@@ -126,6 +177,8 @@ class PodmanDriver(ContainerDriver):
             )
 
     def kill_container(self, container_id: str) -> None:
+        import podman.errors
+
         try:
             self.client.containers.get(container_id).kill("SIGKILL")
         except podman.errors.NotFound:
@@ -145,4 +198,10 @@ class PodmanDriver(ContainerDriver):
         return bool(_client(url, LIVENESS_TIMEOUT_S).containers.exists(container_id))
 
 
-_client = client_cache(lambda url, timeout: podman.PodmanClient(base_url=url, timeout=timeout))
+def _podman_client(url: str, timeout: int) -> podman.PodmanClient:
+    import podman
+
+    return podman.PodmanClient(base_url=url, timeout=timeout)
+
+
+_client = client_cache(_podman_client)

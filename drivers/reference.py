@@ -375,6 +375,28 @@ class ReferenceSandbox(Sandbox):
         return self._process.pid
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        returncode, stdout, stderr = self._run(argv, subprocess.PIPE, subprocess.PIPE, timeout)
+        return ExecResult(
+            tuple(argv),
+            returncode,
+            stdout.decode(errors="replace"),
+            stderr.decode(errors="replace"),
+        )
+
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        # The command writes to the descriptors itself: output passes through as it comes.
+        return self._run(argv, stdout, stderr, timeout)[0]
+
+    def _run(
+        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
+    ) -> tuple[int, bytes, bytes]:
+        """Run ``argv`` inside, its output to ``stdout`` and ``stderr`` (``PIPE``: returned)."""
         if not argv or "=" in argv[0]:
             raise SandboxExecError(f"argv must start with a program to run, got {list(argv)!r}")
         self._check_running(argv)
@@ -397,8 +419,8 @@ class ReferenceSandbox(Sandbox):
             process = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdout=stdout,
+                stderr=stderr,
                 env=HOST_ENV,
                 start_new_session=True,
             )
@@ -407,7 +429,7 @@ class ReferenceSandbox(Sandbox):
                 f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
             ) from exc
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
+            output, errors = process.communicate(timeout=timeout)
         except BaseException as exc:
             # The group holds nsenter; the marker finds the rest, wherever it went.
             with contextlib.suppress(ProcessLookupError):
@@ -421,12 +443,7 @@ class ReferenceSandbox(Sandbox):
             raise
         if process.returncode != 0:
             self._check_running(argv)  # a sandbox that died meanwhile is an error, not a result
-        return ExecResult(
-            tuple(argv),
-            process.returncode,
-            stdout.decode(errors="replace"),
-            stderr.decode(errors="replace"),
-        )
+        return process.returncode, output or b"", errors or b""
 
     def _check_running(self, argv: Sequence[str]) -> None:
         # The start time guards against entering an unrelated process that reused the pid.

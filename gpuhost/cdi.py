@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from gpuhost.devices import CDI_KIND, NVIDIA_MAJOR, GpuDevice
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
@@ -93,6 +91,8 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) ->
 
     As in the CDI library, a later directory overrides an earlier one for the same name.
     """
+    import yaml  # slow to import: only reading specs needs it, not naming a driver
+
     devices: dict[str, frozenset[NodeKey]] = {}
     sources: dict[str, frozenset[str]] = {}
     problems = []
@@ -120,7 +120,12 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) ->
 
 def _read(path: Path) -> dict[str, Any]:
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError("not a CDI spec (not a mapping)")
     return data

@@ -39,7 +39,6 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +145,8 @@ def register_liveness(kind: str, check: LivenessCheck) -> None:
 def liveness_check(kind: str) -> LivenessCheck | None:
     """The check of ``kind``: registered in this process, or else its entry point."""
     if kind not in _CHECKS:
+        from importlib import metadata  # slow to import, and needed only for such a holder
+
         for entry in metadata.entry_points(group=LIVENESS_ENTRY_POINTS, name=kind):
             with contextlib.suppress(Exception):  # a broken plugin judges nothing
                 _CHECKS[kind] = entry.load()

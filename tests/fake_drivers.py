@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
+from gpuhost.spec import DriverCapabilities
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -33,3 +35,36 @@ class _HangingSandbox(ReferenceSandbox):
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         threading.Event().wait()
         raise AssertionError("unreachable")
+
+
+class CountsOnlyDriver(ReferenceDriver):
+    """A driver that takes GPU counts but no exact device IDs, as a Kubernetes one does."""
+
+    name = "counts-only"
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, exact_ids=False, exact_id_forms="")
+
+
+class OutputAtTheEnd(ReferenceDriver):
+    """A driver whose sandboxes keep the contract's default ``exec_stream``.
+
+    As a driver written before it existed does: the output comes once the command ended.
+    """
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.__class__ = _DefaultStreamSandbox
+        return sandbox
+
+
+class _DefaultStreamSandbox(ReferenceSandbox):
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        return Sandbox.exec_stream(self, argv, stdout, stderr, timeout)

@@ -227,7 +227,7 @@ def test_docker_without_cdi_fails_probe_saying_how_to_enable_it(
         driver = DockerDriver(engine_host, "nocdi")
         wait_until(
             driver.ping,
-            retry_on=DockerDriver.engine_errors,
+            retry_on=DockerDriver.engine_errors(),
             timeout_s=60,
             what=f"the dockerd without CDI at {socket}",
         )

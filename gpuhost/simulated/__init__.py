@@ -53,8 +53,6 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
 from gpuhost.devices import (
     NVIDIA_MAJOR,
     NVIDIACTL_MINOR,
@@ -189,6 +187,8 @@ def setup(
     (root / "cdi").mkdir()
     (root / "cdi" / "kind").write_text(f"sim-{token}{CDI_VENDOR_SUFFIX}/gpu\n")
     host = load(root)
+    import yaml  # slow to import: only setting a host up needs it, not loading one
+
     host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
     host.lease_dir.mkdir()
     if cdi_dir is not None:
@@ -415,6 +415,8 @@ def teardown(root: Path = DEFAULT_ROOT) -> None:
 
 def _prune_registrations(cdi_dir: Path) -> None:
     """Unregister the specs of simulated hosts that are gone (a run killed before teardown)."""
+    import yaml
+
     for spec in cdi_dir.glob(f"{REGISTERED_PREFIX}*.yaml"):
         try:
             nodes = yaml.safe_load(spec.read_text())["containerEdits"]["deviceNodes"]

@@ -1,0 +1,562 @@
+"""``gpu-sandbox``: try a GPU request on a driver by hand.
+
+    gpu-sandbox run  [--driver D] [GPU flags] [--image I] [--env K=V]... [-- CMD...]
+    gpu-sandbox spec [--driver D] [GPU flags] [--json]
+    gpu-sandbox gpus [--json]
+    gpu-sandbox reap SESSION [--driver D]...
+
+GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-device ID`` (repeatable),
+``--driver-config-json JSON|@FILE``; ``gpu_sandbox.flags`` maps them to the request spec.
+Every command takes ``--sim-root DIR`` (a simulated GPU host) and ``--gpu-state-dir DIR``
+(where the host-wide lease registry lives), as the pytest plugin does.
+
+Exit status of ``run``: the command's own; 2 for bad flags or a request the driver refuses
+(nothing was created); 124 when the command ran past ``--timeout``; 125 when the sandbox
+could not be created (the driver cannot run here, the GPUs are taken); 126 when the command
+could not be run in it; 128 + the signal's number after SIGINT, SIGTERM or SIGHUP. The
+sandbox is closed in every case.
+
+Modules beyond the standard library are imported by the command that needs them, and the
+driver's by the driver: ``gpu-sandbox spec`` starts without any engine's client library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from gpu_sandbox.flags import GpuFlags, flag_of, spec_dict
+
+if TYPE_CHECKING:
+    from drivers.base import Driver
+    from gpu_sandbox.inventory import Inventory
+    from gpuhost.errors import RequestError
+    from gpuhost.host import GpuHost
+    from gpuhost.spec import GpuPlan, SandboxSpec
+
+PROG = "gpu-sandbox"
+DEFAULT_DRIVER = "reference"
+DEFAULT_COMMAND = ("nvidia-smi", "-L")
+NO_TIMEOUT_S = 20 * 24 * 3600.0
+"""``run`` without ``--timeout``: a command run by hand runs as long as its user wants, and
+Ctrl-C ends it. The drivers take a number: 20 days is below poll(2)'s maximum (24.8 days),
+through which a driver may wait for the command's output."""
+EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EPILOG = """\
+GPU flags (run, spec), as seed 003 maps them to the request spec:
+  --gpu                    resource_requirements.gpu = {} (the default request)
+  --gpu-count N            resource_requirements.gpu.count = N
+  --gpu-device ID          driver_config.<driver>.gpu_device_ids += [ID], and GPU intent;
+                           the count is the number of unique IDs unless --gpu-count is given
+  --driver-config-json B   driver_config.<driver> = B (JSON, or @FILE)
+
+exit status of run: the command's own; 2 bad flags or a refused request (nothing was
+created); 124 timeout; 125 no sandbox (the driver cannot run here, the GPUs are taken);
+126 the command could not be run; 128+N after signal N (the sandbox is closed)."""
+
+
+class CommandError(Exception):
+    """The command cannot go on: one line for stderr, and the exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived: what ``run`` made is closed, then it exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, as every other refusal of the command, instead of the usage first."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    top = parser()
+    args, extra = top.parse_known_args(argv)
+    if extra:
+        hint = " (put -- before the command to run)" if args.command is run_command else ""
+        top.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    command: Callable[[argparse.Namespace], int] = args.command
+    try:
+        return command(args)
+    except CommandError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return exc.status
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def parser() -> argparse.ArgumentParser:
+    host = _Parser(add_help=False)
+    group = host.add_argument_group("the GPU host")
+    group.add_argument(
+        "--sim-root",
+        type=Path,
+        metavar="DIR",
+        help="the simulated GPU host under DIR (python -m gpuhost.simulated setup)",
+    )
+    group.add_argument(
+        "--gpu-state-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the host-wide lease registry lives (default: /run/gpu-sandbox, or "
+        "$GPU_SANDBOX_STATE_DIR; a simulated host's own)",
+    )
+
+    request = _Parser(add_help=False)
+    group = request.add_argument_group("the request")
+    group.add_argument(
+        "--driver",
+        default=DEFAULT_DRIVER,
+        metavar="NAME|module:Class",
+        help=f"a built-in driver or an import path (default: {DEFAULT_DRIVER})",
+    )
+    group.add_argument("--gpu", action="store_true", help="the driver's default GPU request")
+    group.add_argument("--gpu-count", type=int, metavar="N", help="N GPUs")
+    group.add_argument(
+        "--gpu-device",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="exactly this device, by the driver's native ID (repeatable); the count is "
+        "the number of unique IDs unless --gpu-count is given",
+    )
+    group.add_argument(
+        "--driver-config-json",
+        metavar="JSON|@FILE",
+        help="the active driver's block of driver_config, as JSON or from FILE; its IDs "
+        "need --gpu or --gpu-count, and cannot be given with --gpu-device too",
+    )
+    group.add_argument("--image", help="the image, for drivers that take one")
+    group.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
+    )
+
+    top = _Parser(
+        prog=PROG,
+        description="Try a GPU request on a driver by hand: run a command in a sandbox, see\n"
+        "the spec the flags make, list the host's GPUs and who holds them, clean up a session.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = top.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        parents=[request, host],
+        help="create a sandbox, run a command in it, close it",
+        description="Create a sandbox, run CMD in it with its output streamed, exit with "
+        "its exit status, and close the sandbox, on Ctrl-C too. CMD defaults to "
+        "nvidia-smi -L.",
+    )
+    run.add_argument(
+        "--session",
+        help="the session id stamped on the sandbox (default: a new one), for "
+        "gpu-sandbox reap after a crash",
+    )
+    run.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="kill CMD after SECONDS (exit 124)"
+    )
+    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command and its arguments")
+    run.set_defaults(command=run_command)
+
+    spec = commands.add_parser(
+        "spec",
+        parents=[request, host],
+        help="print the spec the flags make and the driver's verdict",
+        description="Print the request spec the flags make, and what the driver's "
+        "validation says of it: valid (and the GPUs exact IDs name here), or the typed "
+        "error with its field. Exits 2 when the driver refuses it. Creates nothing.",
+    )
+    spec.add_argument("--json", action="store_true", help="one JSON object")
+    spec.set_defaults(command=spec_command)
+
+    gpus = commands.add_parser(
+        "gpus",
+        parents=[host],
+        help="the host's GPUs, each driver's IDs for them, and who holds them",
+        description="The host's GPUs (what each discovery source finds, or the simulated "
+        "host): index, UUID, PCI address, the exact IDs each registered driver takes for "
+        "each (without asking any engine), and who holds it now (the lease registry).",
+    )
+    gpus.add_argument("--json", action="store_true", help="one JSON object")
+    gpus.set_defaults(command=gpus_command)
+
+    reap = commands.add_parser(
+        "reap",
+        parents=[host],
+        help="remove every sandbox and lease of a session (pytest --reap)",
+        description="Remove every sandbox and GPU lease SESSION left, with every built-in "
+        "driver or those named. A named driver that cannot reap is an error (exit 1).",
+    )
+    reap.add_argument("session", metavar="SESSION")
+    reap.add_argument(
+        "--driver",
+        action="append",
+        default=[],
+        metavar="NAME|module:Class",
+        help="reap with this driver only (repeatable, or comma-separated)",
+    )
+    reap.add_argument("--image", help="the image, for drivers that take one")
+    reap.set_defaults(command=reap_command)
+    return top
+
+
+# -- run -----------------------------------------------------------------------------------
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import uuid
+
+    from gpuhost.errors import (
+        ExecTimeout,
+        GpuAllocationError,
+        RequestError,
+        SandboxExecError,
+        SandboxStartError,
+    )
+
+    flags = _flags(args)
+    driver = _driver(args, args.session or f"{PROG}-{uuid.uuid4().hex[:12]}")
+    with _signals_raise():
+        try:
+            return _run(driver, flags, args)
+        except RequestError as exc:
+            raise _refused(exc, flags, driver.name) from None
+        except (GpuAllocationError, SandboxStartError) as exc:
+            raise CommandError(f"{type(exc).__name__}: {exc}", EXIT_NOT_CREATED) from None
+        except ExecTimeout as exc:
+            raise CommandError(str(exc), EXIT_TIMEOUT) from None
+        except SandboxExecError as exc:
+            raise CommandError(f"{type(exc).__name__}: {exc}", EXIT_NOT_RUN) from None
+        except Interrupted as exc:
+            sys.stderr.write(f"{PROG}: {exc}: stopped; nothing of this run is left\n")
+            return 128 + exc.signum
+
+
+def _run(driver: Driver, flags: GpuFlags, args: argparse.Namespace) -> int:
+    """Check, create, run, close: the request model's rules before the driver is probed."""
+    from gpu_sandbox.flags import spec_from_flags
+    from gpuhost.spec import validate_gpu_request
+
+    spec = spec_from_flags(flags, driver.name)
+    validate_gpu_request(spec, driver.name, driver.capabilities)
+    availability = driver.probe()
+    if not availability.ok:
+        raise CommandError(
+            f"the {args.driver} driver cannot run here: {availability.reason}", EXIT_NOT_CREATED
+        )
+    sandbox = None
+    try:
+        sandbox = driver.create(spec)
+        sys.stdout.flush()
+        return sandbox.exec_stream(
+            args.cmd or DEFAULT_COMMAND,
+            sys.stdout.fileno(),
+            sys.stderr.fileno(),
+            args.timeout if args.timeout is not None else NO_TIMEOUT_S,
+        )
+    finally:
+        if sandbox is not None:
+            with _signals_deferred():
+                sandbox.close()
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted``, so that ``finally`` closes."""
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """While a sandbox closes, another Ctrl-C waits: a close cut short would leave it."""
+    arrived: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: arrived.append(signum))
+        for signum in FORWARDED_SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if arrived:
+        raise Interrupted(arrived[0])
+
+
+# -- spec ----------------------------------------------------------------------------------
+
+
+def spec_command(args: argparse.Namespace) -> int:
+    from gpuhost.errors import RequestError
+    from gpuhost.spec import parse_spec, validate_gpu_request
+
+    flags = _flags(args)
+    driver = _driver(args, f"{PROG}-spec")
+    report: dict[str, Any] = {"driver": args.driver, "spec": None, "valid": False}
+    try:
+        report["spec"] = data = spec_dict(flags, driver.name)
+        spec = parse_spec(data)
+        plan = validate_gpu_request(spec, driver.name, driver.capabilities)
+        report.update(valid=True, plan=_plan_json(plan), **_resolved(spec, driver))
+    except RequestError as exc:
+        report["error"] = _error_json(exc, flags, driver.name)
+        _print_spec(report, args.json)
+        raise _refused(exc, flags, driver.name) from None
+    _print_spec(report, args.json)
+    return 0
+
+
+def _resolved(spec: SandboxSpec, driver: Driver) -> dict[str, Any]:
+    """The devices the request names on this host, from the driver's whole ``plan``.
+
+    Exact IDs are resolved as the driver resolves them, which may need its engine: when it
+    cannot be asked, the request is still valid, and the reason is given.
+    """
+    from gpuhost.errors import RequestError
+
+    try:
+        plan = driver.plan(spec)
+    except RequestError:
+        raise
+    except Exception as exc:  # an engine that does not answer, in any client's words
+        return {"resolved": None, "unresolved": f"{type(exc).__name__}: {exc}"}
+    devices = () if plan is None else plan.gpus
+    return {
+        "resolved": [{"uuid": gpu.uuid, "description": gpu.describe()} for gpu in devices],
+        "unresolved": None,
+    }
+
+
+def _print_spec(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print(json.dumps(report, indent=2))
+        return
+    if report["spec"] is not None:
+        _print(json.dumps(report["spec"], indent=2))
+    name = report["driver"]
+    if not report["valid"]:
+        error = report["error"]
+        _print(f"{name}: invalid: {error['type']} at {error['field']}: {error['message']}")
+        return
+    _print(f"{name}: valid: {_describe_plan(report['plan'])}")
+    if report["unresolved"]:
+        _print(f"{name}: the exact IDs were not resolved here: {report['unresolved']}")
+    elif report["resolved"]:
+        devices = ", ".join(device["description"] for device in report["resolved"])
+        _print(f"{name}: on this host: {devices}")
+
+
+def _plan_json(plan: GpuPlan | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    return {
+        "count": plan.count,
+        "device_ids": list(plan.device_ids),
+        "field": plan.field,
+        "sharing": plan.sharing,
+        "mig_profile": plan.mig_profile,
+        "vendor": plan.vendor,
+    }
+
+
+def _describe_plan(plan: dict[str, Any] | None) -> str:
+    if plan is None:
+        return "no GPU"
+    gpus = f"{plan['count']} GPU{'s' if plan['count'] != 1 else ''}"
+    if plan["device_ids"]:
+        what = f"{gpus} by exact ID ({plan['field']}: {', '.join(plan['device_ids'])})"
+    elif plan["mig_profile"]:
+        what = f"{plan['count']} MIG instance(s) of profile {plan['mig_profile']}"
+    else:
+        what = f"{gpus}{' of ' + plan['vendor'] if plan['vendor'] else ''}"
+    return f"{what}, {plan['sharing']}"
+
+
+# -- gpus ----------------------------------------------------------------------------------
+
+
+def gpus_command(args: argparse.Namespace) -> int:
+    from gpu_sandbox.inventory import take
+
+    inventory = take(_host_config(args))
+    if args.json:
+        _print(json.dumps(inventory.to_json(), indent=2))
+    else:
+        for line in _gpus_text(inventory):
+            _print(line)
+    return 0
+
+
+def _gpus_text(inventory: Inventory) -> list[str]:
+    from gpu_sandbox.inventory import holder_text, label, since
+
+    lines = [f"GPU host: {inventory.host}"]
+    lines += [f"  {source.describe()}" for source in inventory.sources]
+    if inventory.leases_error:
+        lines.append(f"  lease registry: {inventory.leases_error}")
+    rows = []
+    for device in inventory.devices:
+        held = "; ".join(
+            f"{lease.driver} sandbox {lease.sandbox_id} session {lease.session_id} "
+            f"{holder_text(lease)} since {since(lease)}"
+            + (" (shared)" if lease.mode == "shared" else "")
+            for lease in inventory.holders(device)
+        )
+        name = device.name if not device.is_mig else f"MIG {device.profile}"
+        rows.append([label(device), device.uuid, device.pci_bus_id, name, held or "free"])
+    if rows:
+        lines += ["", *table(["DEVICE", "UUID", "PCI", "MODEL", "HELD BY"], rows)]
+    id_rows = [
+        [label(device), name, " ".join(ids.ids[device.uuid])]
+        for device in inventory.devices
+        for name, ids in inventory.drivers.items()
+        if ids.ids.get(device.uuid)
+    ]
+    if id_rows:
+        lines += ["", *table(["DEVICE", "DRIVER", "EXACT IDS (gpu_device_ids)"], id_rows)]
+    for name, ids in inventory.drivers.items():
+        if ids.note:
+            lines.append(f"{name}: {ids.note}")
+    for gpu in inventory.unused_pci:
+        lines.append(f"on the PCI bus, handed out by no driver: {gpu.pci_bus_id} {gpu.name}")
+    return lines
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+
+
+# -- reap ----------------------------------------------------------------------------------
+
+
+def reap_command(args: argparse.Namespace) -> int:
+    from drivers import REGISTRY, UnknownDriver, get_driver_class
+    from drivers.reaping import Reaped, reap_session
+
+    named = [name.strip() for option in args.driver for name in option.split(",") if name.strip()]
+    drivers: dict[str, type[Driver]] = {}
+    failed: list[Reaped] = []
+    for name in named or REGISTRY:
+        try:
+            drivers[name] = get_driver_class(name)
+        except UnknownDriver as exc:
+            if named:
+                raise CommandError(str(exc), EXIT_USAGE) from None
+            failed.append(Reaped(name, args.session, error=str(exc)))
+    results = failed + reap_session(_host(args), args.session, drivers, args.image)
+    for result in results:
+        _print(result.line)
+    return 1 if named and any(result.error for result in results) else 0
+
+
+# -- shared --------------------------------------------------------------------------------
+
+
+def _flags(args: argparse.Namespace) -> GpuFlags:
+    config = args.driver_config_json
+    text = config
+    if config is not None and config.startswith("@"):
+        try:
+            text = Path(config[1:]).read_text()
+        except OSError as exc:
+            raise CommandError(
+                f"--driver-config-json={config}: cannot read {config[1:]}: {exc.strerror}",
+                EXIT_USAGE,
+            ) from None
+    return GpuFlags(
+        gpu=args.gpu,
+        gpu_count=args.gpu_count,
+        gpu_devices=tuple(args.gpu_device),
+        driver_config_json=text,
+        driver_config_arg=config,
+        image=args.image,
+        env=tuple(args.env),
+    )
+
+
+def _driver(args: argparse.Namespace, session: str) -> Driver:
+    from drivers import UnknownDriver, get_driver_class
+
+    try:
+        cls = get_driver_class(args.driver)
+    except UnknownDriver as exc:
+        raise CommandError(f"--driver={args.driver}: {exc}", EXIT_USAGE) from None
+    return cls(_host(args), session, args.image)
+
+
+def _host_config(args: argparse.Namespace) -> Any:
+    from gpuhost.host import HostConfig
+
+    return HostConfig(args.sim_root, args.gpu_state_dir)
+
+
+def _host(args: argparse.Namespace) -> GpuHost:
+    from gpuhost.host import GpuHost
+    from gpuhost.simulated import SimulatedHostError
+
+    if args.sim_root is not None:
+        try:
+            return GpuHost.open(_host_config(args))
+        except SimulatedHostError as exc:
+            raise CommandError(f"--sim-root={args.sim_root}: {exc}", EXIT_USAGE) from None
+    from gpuhost.discovery import DiscoveryError
+
+    try:
+        return GpuHost.open(_host_config(args))
+    except DiscoveryError as exc:  # GPUs on the bus that no source lists: say which
+        raise CommandError(str(exc), 1) from None
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(f"{text}\n")
+
+
+def _refused(error: RequestError, flags: GpuFlags, driver: str) -> CommandError:
+    """The one line of a refused request: the flag and its value, the message, the field."""
+    flag = flag_of(error, flags, driver)
+    where = f"{type(error).__name__} at {error.field}"
+    return CommandError(f"{flag + ': ' if flag else ''}{error} ({where})", EXIT_USAGE)
+
+
+def _error_json(error: RequestError, flags: GpuFlags, driver: str) -> dict[str, Any]:
+    value = error.value
+    return {
+        "type": type(error).__name__,
+        "field": error.field,
+        "value": value
+        if isinstance(value, str | int | float | bool | list | dict)
+        else repr(value),
+        "message": str(error),
+        "flag": flag_of(error, flags, driver) or None,
+    }
