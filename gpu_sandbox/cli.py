@@ -51,7 +51,7 @@ through which a driver may wait for the command's output."""
 EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EPILOG = """\
-GPU flags (run, spec), as seed 003 maps them to the request spec:
+GPU flags (run, spec), and the request spec each one makes:
   --gpu                    resource_requirements.gpu = {} (the default request)
   --gpu-count N            resource_requirements.gpu.count = N
   --gpu-device ID          driver_config.<driver>.gpu_device_ids += [ID], and GPU intent;

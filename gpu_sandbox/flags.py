@@ -1,4 +1,4 @@
-"""The command line's GPU flags as a request spec: one pure mapping, the seed's.
+"""The command line's GPU flags as a request spec: one pure mapping.
 
 - ``--gpu``: a GPU request with no count, the driver's default request (one free GPU);
 - ``--gpu-count N``: ``resource_requirements.gpu.count`` is N, as given: 0 or -1 is the

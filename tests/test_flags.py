@@ -1,6 +1,6 @@
 """The GPU flags' mapping to the request spec (gpu_sandbox.flags), rule by rule, and errors.
 
-Pure: no host, no driver. Each rule of seed 003 gives the spec dict it must; each error
+Pure: no host, no driver. Each mapping rule gives the spec dict it must; each error
 comes from the request model's own validation, with its type, field and message, and is
 traced back to the flag (and value) it came from.
 """
@@ -108,7 +108,7 @@ def test_the_block_goes_under_the_active_driver_only() -> None:
         assert list(spec_dict(flags, driver)["driver_config"]) == [driver]
 
 
-def test_valid_flags_make_the_plan_the_seed_describes() -> None:
+def test_valid_flags_make_the_plan_the_rules_describe() -> None:
     def plan(flags: GpuFlags) -> GpuPlan | None:
         return validate_gpu_request(spec_from_flags(flags, "reference"), "reference", EXACT)
 
