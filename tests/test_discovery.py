@@ -417,7 +417,7 @@ def test_gpu_class_filter_finds_3d_and_display_controllers(
 
     assert len(found) == gpus
     assert all("NVSwitch" not in device.device_name for device in found)
-    # The seed's filter on "VGA compatible controller" alone misses data-centre GPUs.
+    # A filter on "VGA compatible controller" alone misses data-centre GPUs.
     assert sum(device.class_name == "VGA compatible controller" for device in devices) == vga_only
 
 
