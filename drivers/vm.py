@@ -97,7 +97,13 @@ DEFAULT_MEMORY_MIB = 256
 workloads needs several GiB (GPU_SANDBOX_VM_MEMORY_MIB)."""
 NAME_PREFIX = "gpu-sandbox"
 EXEC_PORT, CONTROL_PORT = "gpu-sandbox.exec", "gpu-sandbox.ctl"
-KERNEL_ARGS = "console=ttyS0 quiet panic=-1"
+KERNEL_ARGS = (
+    "console=ttyS0 quiet panic=-1 mitigations=off nokaslr tsc=reliable no_timer_check "
+    "i8042.noaux i8042.nokbd i8042.nopnp random.trust_cpu=on cryptomgr.notests"
+)
+"""A quiet serial console, and no work a guest without a keyboard or secrets needs: about a
+fifth less boot time under TCG (3.3 s of CPU instead of 4.2 s, measured here)."""
+
 
 BOOT_TIMEOUT_S = 180.0
 """A guest boots in ~2.5 s of one core under TCG; on a loaded 2-core machine with eight
