@@ -58,9 +58,9 @@ class ConstructedSysfs:
                 os.mkfifo(directory / action)
                 fd = os.open(directory / action, os.O_RDWR | os.O_NONBLOCK)
                 self._selector.register(fd, selectors.EVENT_READ, (driver, action))
-        for bdf, driver in ORIGINAL.items():
-            if driver:
-                self._link(bdf, driver)
+        for bdf, original in ORIGINAL.items():
+            if original:
+                self._link(bdf, original)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._kernel, daemon=True)
         self._thread.start()
