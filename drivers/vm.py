@@ -45,6 +45,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -81,7 +82,7 @@ from gpuhost.simulated.pci_proxy import GpuFunction, GpuFunctionBusy
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import DEVICE_IDS_KEY, DriverCapabilities, GpuPlan, SandboxSpec
 from gpuhost.vfio import VfioBinder, VfioClaim, VfioError
-from gpuhost.wait import wait_for
+from gpuhost.wait import wait_for, wait_until
 
 QEMU = "qemu-system-x86_64"
 IMAGE_ENV = "GPU_SANDBOX_VM_IMAGE"
@@ -105,9 +106,17 @@ KERNEL_ARGS = (
 fifth less boot time under TCG (3.3 s of CPU instead of 4.2 s, measured here)."""
 
 
+BOOT_ENV = "GPU_SANDBOX_VM_BOOT"
+SNAPSHOT, COLD = "snapshot", "cold"
+ROOT_PORT_MEMORY = "32M"
+"""What each root port reserves for a hot-plugged GPU's BARs: the simulated GPU's is 16 MiB."""
 BOOT_TIMEOUT_S = 180.0
 """A guest boots in ~2.5 s of one core under TCG; on a loaded 2-core machine with eight
 booting at once (a test that takes every GPU) a boot has taken 40 s. Minutes mean it hangs."""
+TEMPLATE_SAVE_TIMEOUT_S = 120.0
+"""Saving a booted guest's state (~70 MB of touched memory) to a tmpfs takes a few seconds."""
+HOTPLUG_TIMEOUT_S = 60.0
+"""A hot-plugged function shows in the guest within a second or two (pciehp), under TCG."""
 PROBE_TIMEOUT_S = 30.0
 """The KVM probe boots to the guest's init and powers off: a second or two under working
 KVM; a nested hypervisor that crawls (a guest still in early boot after minutes) is no use."""
@@ -148,6 +157,7 @@ class VmDriver(Driver):
         self.vfio = VfioBinder(host.config.state_directory())
         self._accel: tuple[str, str] | None = None
         self._initrd_lock = threading.Lock()
+        self._share_archive: bytes | None = None
 
     @property
     def capabilities(self) -> DriverCapabilities:
@@ -346,29 +356,45 @@ class VmDriver(Driver):
     def start(self, launch: Launch) -> VmSandbox:
         image = self.guest_image()
         accel, _ = self.acceleration()
+        snapshot = self.boot_mode() == SNAPSHOT
+        template = self.template(image, accel) if snapshot else None
         directory = self.sandbox_dir(self.session_id, launch.sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         exec_ours, exec_theirs = socket.socketpair()
         control_ours, control_theirs = socket.socketpair()
+        qmp_ours, qmp_theirs = socket.socketpair()
+        ends = (exec_ours, exec_theirs, control_ours, control_theirs, qmp_ours, qmp_theirs)
         functions: list[GpuFunction] = []
         claims: list[VfioClaim] = []
+        devices: list[tuple[str, str, str]] = []
         process: subprocess.Popen[bytes] | None = None
         try:
-            argv = self.qemu_argv(launch.sandbox_id, image, accel, directory)
-            fds = [exec_theirs.fileno(), control_theirs.fileno()]
+            initrd = image.initrd if snapshot else self.initrd(image)
+            argv = self.qemu_argv(launch.sandbox_id, image, initrd, accel, directory)
+            fds = [exec_theirs.fileno(), control_theirs.fileno(), qmp_theirs.fileno()]
             argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
             argv += _chardev("ctl", control_theirs.fileno(), CONTROL_PORT)
+            argv += ["-chardev", f"socket,id=qmp,fd={qmp_theirs.fileno()}"]
+            argv += ["-mon", "chardev=qmp,mode=control"]
+            layout = self.layout() if snapshot else tuple(gpu.pci_bus_id for gpu in launch.gpus)
+            argv += _root_ports(layout)
             for position, gpu in enumerate(launch.gpus):
                 if self.host.simulated is not None:
                     function = self._claim_simulated(gpu)
                     functions.append(function)
                     fds += function.fds()
-                    device = f"x-pci-proxy-dev,id=gpu{position},fd={function.qemu_socket.fileno()}"
+                    driver, option = "x-pci-proxy-dev", f"fd={function.qemu_socket.fileno()}"
                 else:
                     claim = self._claim_vfio(gpu, launch.sandbox_id)
                     claims.append(claim)
-                    device = f"vfio-pci,id=gpu{position},host={gpu.pci_bus_id}"
-                argv += _at_host_address(position, gpu.pci_bus_id, device)
+                    driver, option = "vfio-pci", f"host={gpu.pci_bus_id}"
+                port = f"port{layout.index(gpu.pci_bus_id)}"
+                devices.append((f"gpu{position}", driver, f"{option},bus={port},addr=0x0"))
+            if template is not None:
+                argv += ["-incoming", f"exec:cat {shlex.quote(str(template))}"]
+            else:
+                argv += [arg for id_, driver, rest in devices for arg in
+                         ("-device", f"{driver},id={id_},{rest}")]  # fmt: skip
             with open(directory / "qemu.log", "wb") as log:
                 process = spawn(
                     argv,
@@ -380,13 +406,35 @@ class VmDriver(Driver):
                 )
             for function in functions:
                 function.handed_over()
-            exec_theirs.close()
-            control_theirs.close()
+            for end in (exec_theirs, control_theirs, qmp_theirs):
+                end.close()
             holder = Holder.process(process.pid)
             for claim in claims:
                 self.vfio.set_holder(claim, launch.sandbox_id, holder)
             channel = _Channel(exec_ours)
-            self._wait_until_ready(launch.sandbox_id, process, channel, directory)
+            sandbox = VmSandbox(
+                launch.sandbox_id,
+                self.name,
+                launch.gpus,
+                process,
+                holder,
+                channel,
+                _Channel(control_ours),
+                self.sandbox_env(launch.env),
+                self.host.leases,
+                tuple(claim.group for claim in claims),
+                self.vfio,
+            )
+            deadline = time.monotonic() + BOOT_TIMEOUT_S
+            alive = sandbox.running
+            if template is None:
+                self._wait_until_ready(launch.sandbox_id, channel, deadline, alive, directory)
+            else:
+                qmp = _Qmp(_Channel(qmp_ours), deadline, alive)
+                qmp.resume_incoming()
+                for id_, driver, rest in devices:
+                    qmp.add_device(id_, driver, rest)
+                self._deliver_share(sandbox, [gpu.pci_bus_id for gpu in launch.gpus])
         except BaseException as exc:
             if process is not None:
                 stop_process(process)
@@ -394,28 +442,118 @@ class VmDriver(Driver):
                 function.handed_over()
             for claim in claims:
                 self.vfio.release(claim.group)
-            for end in (exec_ours, exec_theirs, control_ours, control_theirs):
+            for end in ends:
                 end.close()
             if isinstance(exc, GpuFunctionBusy):
                 raise GpuBusy(", ".join(gpu.pci_bus_id for gpu in launch.gpus), str(exc)) from exc
-            if isinstance(exc, (OSError, VfioError)):
+            if isinstance(exc, (OSError, VfioError, TimeoutError, EOFError, SandboxExecError)):
                 raise SandboxStartError(
-                    f"VM {launch.sandbox_id} could not start: {type(exc).__name__}: {exc}"
+                    f"VM {launch.sandbox_id} could not start: {type(exc).__name__}: {exc}; "
+                    f"qemu (exit {process.poll() if process else None}): "
+                    f"{_tail(directory / 'qemu.log')} console: {_tail(directory / 'console.log')}"
                 ) from exc
             raise
-        return VmSandbox(
-            launch.sandbox_id,
-            self.name,
-            launch.gpus,
-            process,
-            holder,
-            channel,
-            _Channel(control_ours),
-            self.sandbox_env(launch.env),
-            self.host.leases,
-            tuple(claim.group for claim in claims),
-            self.vfio,
-        )
+        qmp_ours.close()
+        return sandbox
+
+    def _deliver_share(self, sandbox: VmSandbox, buses: list[str]) -> None:
+        """A restored VM: the simulated host's share into /run/gpu-sim, then its GPU nodes."""
+        script = ""
+        if self.host.simulated is not None:
+            archive = base64.b64encode(self.share_archive()).decode()
+            script = (
+                f"echo {archive} | base64 -d | (cd {SANDBOX_SHARE} && cpio -i -d 2>/dev/null) "
+                f"&& mount -o remount,ro {SANDBOX_SHARE} && "
+            )
+        script += shlex.join(["/sbin/gpu-sandbox-gpus", *buses])
+        done = sandbox.exec(["sh", "-c", script], timeout=HOTPLUG_TIMEOUT_S)
+        if done.returncode != 0:
+            raise SandboxStartError(
+                f"VM {sandbox.id}: its GPUs {buses} did not come up after hot-plug "
+                f"(exit {done.returncode}): {done.stderr.strip()} {done.stdout.strip()}"
+            )
+
+    def boot_mode(self) -> str:
+        """``snapshot`` (a restored template VM, GPUs hot-plugged) or ``cold`` (a boot)."""
+        wanted = os.environ.get(BOOT_ENV)
+        if wanted in (SNAPSHOT, COLD):
+            return wanted
+        return SNAPSHOT if self.host.simulated is not None else COLD
+
+    def layout(self) -> tuple[str, ...]:
+        """Where a VM restored from the template has root ports: every GPU's bus of the host."""
+        return tuple(sorted(gpu.pci_bus_id for gpu in self.host.gpus))
+
+    def template(self, image: GuestImage, accel: str) -> Path:
+        """The saved state of a booted VM with no GPU, for every VM of this layout to resume.
+
+        Made once (one boot) per guest image, memory size, acceleration and layout of GPU
+        buses, by whichever process needs it first, under a lock; others wait for it.
+        """
+        key = hashlib.sha256(
+            json.dumps(
+                [str(image.kernel), image.kernel.stat().st_mtime_ns, str(image.initrd),
+                 image.initrd.stat().st_mtime_ns, accel, self.memory_mib, self.layout(),
+                 KERNEL_ARGS, self.version()]
+            ).encode()
+        ).hexdigest()[:20]  # fmt: skip
+        state = self.run_dir / "templates" / f"{key}.state"
+        if state.exists():
+            return state
+        state.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(state.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            wait_until(
+                lambda: fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                retry_on=(BlockingIOError,),
+                timeout_s=BOOT_TIMEOUT_S + TEMPLATE_SAVE_TIMEOUT_S,
+                what=f"another process to make the VM template {state}",
+            )
+            if not state.exists():
+                self._make_template(image, accel, state)
+        finally:
+            os.close(lock)
+        return state
+
+    def _make_template(self, image: GuestImage, accel: str, state: Path) -> None:
+        directory = self.run_dir / "templates" / f"{state.stem}.boot"
+        directory.mkdir(parents=True, exist_ok=True)
+        exec_ours, exec_theirs = socket.socketpair()
+        control_ours, control_theirs = socket.socketpair()
+        qmp_ours, qmp_theirs = socket.socketpair()
+        argv = self.qemu_argv(f"template-{state.stem}", image, image.initrd, accel, directory)
+        argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
+        argv += _chardev("ctl", control_theirs.fileno(), CONTROL_PORT)
+        argv += ["-chardev", f"socket,id=qmp,fd={qmp_theirs.fileno()}"]
+        argv += ["-mon", "chardev=qmp,mode=control", *_root_ports(self.layout())]
+        partial = state.with_suffix(f".{os.getpid()}.tmp")
+        with open(directory / "qemu.log", "wb") as log:
+            process = spawn(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=[end.fileno() for end in (exec_theirs, control_theirs, qmp_theirs)],
+                env=HOST_ENV,
+            )
+        try:
+            for end in (exec_theirs, control_theirs, qmp_theirs):
+                end.close()
+            deadline = time.monotonic() + BOOT_TIMEOUT_S
+
+            def alive() -> bool:
+                return process.poll() is None
+
+            self._wait_until_ready(state.stem, _Channel(exec_ours), deadline, alive, directory)
+            qmp = _Qmp(_Channel(qmp_ours), time.monotonic() + TEMPLATE_SAVE_TIMEOUT_S, alive)
+            qmp.save(partial)
+            partial.rename(state)
+        finally:
+            stop_process(process)
+            partial.unlink(missing_ok=True)
+            for end in (exec_ours, control_ours, qmp_ours):
+                end.close()
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _claim_simulated(self, gpu: GpuDevice) -> GpuFunction:
         assert self.host.simulated is not None
@@ -428,27 +566,26 @@ class VmDriver(Driver):
     def _wait_until_ready(
         self,
         sandbox_id: str,
-        process: subprocess.Popen[bytes],
         channel: _Channel,
+        deadline: float,
+        alive: Callable[[], bool],
         directory: Path,
     ) -> None:
         """Wait for the guest agent's ``ready``; a VM that exits or hangs fails by name."""
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
         try:
-            line = channel.read_line(deadline, alive=lambda: process.poll() is None)
+            line = channel.read_line(deadline, alive)
         except (TimeoutError, EOFError, OSError) as exc:
             raise SandboxStartError(
-                f"VM {sandbox_id} did not boot to its agent ({type(exc).__name__}: {exc}; "
-                f"qemu exit {process.poll()}): {_tail(directory / 'qemu.log')} "
-                f"console: {_tail(directory / 'console.log')}"
+                f"VM {sandbox_id} did not boot to its agent ({type(exc).__name__}: {exc}): "
+                f"{_tail(directory / 'qemu.log')} console: {_tail(directory / 'console.log')}"
             ) from None
         if line != b"ready":
             raise SandboxStartError(f"VM {sandbox_id}'s agent said {line!r}, not ready")
 
     def qemu_argv(
-        self, sandbox_id: str, image: GuestImage, accel: str, directory: Path
+        self, sandbox_id: str, image: GuestImage, initrd: Path, accel: str, directory: Path
     ) -> list[str]:
-        """QEMU's command line for a sandbox, less its exec ports and GPUs."""
+        """QEMU's command line for a sandbox, less its ports, root ports and GPUs."""
         memory = f"{self.memory_mib}M"
         return [
             "setpriv", "--pdeathsig", "SIGKILL", "--",
@@ -461,7 +598,7 @@ class VmDriver(Driver):
             "-object", f"memory-backend-memfd,id=mem,size={memory},share=on",
             "-m", memory,
             "-kernel", str(image.kernel),
-            "-initrd", str(self.initrd(image)),
+            "-initrd", str(initrd),
             "-append", KERNEL_ARGS,
             "-chardev", f"file,id=console,path={directory / 'console.log'}",
             "-serial", "chardev:console",
@@ -494,6 +631,13 @@ class VmDriver(Driver):
             partial.write_bytes(image.initrd.read_bytes() + overlay)
             partial.rename(combined)
         return combined
+
+    def share_archive(self) -> bytes:
+        """The simulated host's share as a cpio archive of its own tree (for /run/gpu-sim)."""
+        assert self.host.simulated is not None
+        if self._share_archive is None:
+            self._share_archive = _cpio(self.host.simulated.share_dir)
+        return self._share_archive
 
     def sandbox_dir(self, session_id: str, sandbox_id: str) -> Path:
         return self.run_dir / "sandboxes" / session_id / sandbox_id
@@ -569,7 +713,7 @@ class VmSandbox(Sandbox):
             self._requests += 1
             request = self._requests
             payload = base64.b64encode(script.encode()).decode()
-            alive = self._running
+            alive = self.running
             try:
                 self._channel.send(f"exec {request} {payload}\n".encode())
                 try:
@@ -601,11 +745,11 @@ class VmSandbox(Sandbox):
             stderr.decode(errors="replace"),
         )
 
-    def _running(self) -> bool:
+    def running(self) -> bool:
         return self.process.poll() is None
 
     def _check_running(self, argv: Sequence[str]) -> None:
-        if self.closed or not self._running():
+        if self.closed or not self.running():
             raise SandboxExecError(f"VM {self.id} is not running; cannot run {list(argv)!r}")
 
     def stop(self) -> None:
@@ -667,6 +811,69 @@ class _Channel:
         self.end.close()
 
 
+class _Qmp:
+    """QEMU's machine protocol on a socketpair: resume an incoming VM, hot-plug, save."""
+
+    def __init__(self, channel: _Channel, deadline: float, alive: Callable[[], bool]) -> None:
+        self.channel = channel
+        self.deadline = deadline
+        self.alive = alive
+        self.channel.read_line(deadline, alive)  # the greeting
+        self.command("qmp_capabilities")
+
+    def command(self, name: str, **arguments: object) -> object:
+        request = {"execute": name, "arguments": arguments} if arguments else {"execute": name}
+        self.channel.send(json.dumps(request).encode() + b"\n")
+        while True:
+            reply = json.loads(self.channel.read_line(self.deadline, self.alive))
+            if "error" in reply:
+                raise OSError(f"QEMU refused {name}: {reply['error'].get('desc', reply)}")
+            if "return" in reply:
+                return reply["return"]
+
+    def _migration(self) -> str:
+        status = self.command("query-migrate")
+        return str(status.get("status", "")) if isinstance(status, dict) else ""
+
+    def _until(self, done: Callable[[], bool], what: str) -> None:
+        while not done():
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"QEMU did not {what} in time")
+            time.sleep(0.02)
+
+    def resume_incoming(self) -> None:
+        """Wait until the saved state is loaded, then run the VM (it was saved stopped)."""
+
+        def loaded() -> bool:
+            status = self._migration()
+            if status == "failed":
+                raise OSError("QEMU could not load the VM template")
+            return status == "completed"
+
+        self._until(loaded, "load the VM template")
+        self.command("cont")
+
+    def add_device(self, id_: str, driver: str, options: str) -> None:
+        arguments: dict[str, object] = {"driver": driver, "id": id_}
+        for option in options.split(","):
+            key, _, value = option.partition("=")
+            arguments[key] = value
+        self.command("device_add", **arguments)
+
+    def save(self, path: Path) -> None:
+        """Stop the VM and save its whole state to ``path``."""
+        self.command("stop")
+        self.command("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
+
+        def saved() -> bool:
+            status = self._migration()
+            if status == "failed":
+                raise OSError(f"QEMU could not save the VM template to {path}")
+            return status == "completed"
+
+        self._until(saved, f"save the VM template to {path}")
+
+
 def _chardev(name: str, fd: int, port: str) -> list[str]:
     return [
         "-chardev", f"socket,id={name},fd={fd}",
@@ -674,19 +881,22 @@ def _chardev(name: str, fd: int, port: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _at_host_address(position: int, pci_bus_id: str, device: str) -> list[str]:
-    """QEMU arguments that put ``device`` at the host's bus number in the guest.
+def _root_ports(buses: Sequence[str]) -> list[str]:
+    """Root ports ``port<i>`` that put a device behind them at the host's bus ``buses[i]``.
 
-    A PCIe expander bridge numbered one below the GPU's bus, with a root port on it: the
-    device behind the port gets the GPU's own bus number, at device 0, function 0.
+    Each on a PCIe expander bridge numbered one below the GPU's bus: the device behind the
+    port gets the GPU's own bus number, at device 0, function 0. Each reserves room for a
+    GPU's registers, for one hot-plugged into a VM restored from the template.
     """
-    bus = int(pci_bus_id.split(":")[1], 16)
-    port = f"pcie-root-port,id=port{position},bus=pxb{position},chassis={position + 1},slot=0"
-    return [
-        "-device", f"pxb-pcie,id=pxb{position},bus_nr={bus - 1},bus=pcie.0",
-        "-device", port,
-        "-device", f"{device},bus=port{position},addr=0x0",
-    ]  # fmt: skip
+    argv = []
+    for position, bus_id in enumerate(buses):
+        bus = int(bus_id.split(":")[1], 16)
+        argv += [
+            "-device", f"pxb-pcie,id=pxb{position},bus_nr={bus - 1},bus=pcie.0",
+            "-device", f"pcie-root-port,id=port{position},bus=pxb{position},"
+            f"chassis={position + 1},slot=0,mem-reserve={ROOT_PORT_MEMORY}",
+        ]  # fmt: skip
+    return argv
 
 
 def _cpio(root: Path) -> bytes:

@@ -79,7 +79,7 @@ build() {
   [ -n "$package" ] || die "apt knows no $KERNEL_PACKAGE: run apt-get update"
   version=$(apt-cache policy "$package" | sed -n 's/^ *Candidate: //p')
   busybox_version=$(dpkg-query -W -f '${Version}' busybox-static 2>/dev/null || busybox | head -1)
-  guest_hash=$( (cd "$GUEST_DIR" && cat init gpu-sandbox-agent; echo "${MODULES[*]}"; declare -f build extract_vmlinux) | sha256sum | cut -c1-12)
+  guest_hash=$( (cd "$GUEST_DIR" && cat init gpu-sandbox-agent gpu-sandbox-gpus; echo "${MODULES[*]}"; declare -f build extract_vmlinux) | sha256sum | cut -c1-12)
   key="$package-$version-busybox-$busybox_version-$guest_hash"
   key=${key//[^A-Za-z0-9._-]/_}
   dir="$CACHE/$key"
@@ -100,13 +100,14 @@ build() {
 
   log "building the initramfs (busybox $busybox_version, guest $guest_hash)"
   local root="$work/root"
-  mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,proc,sys,dev,tmp,etc/gpu-sandbox,lib/modules,run/gpu-sandbox-agent}
+  mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,proc,sys,dev,tmp,etc/gpu-sandbox,lib/modules,run/gpu-sandbox-agent,run/gpu-sim}
   cp /bin/busybox "$root/bin/busybox"
   for applet in $(/bin/busybox --list); do
     [ "$applet" = busybox ] || ln -s busybox "$root/bin/$applet"
   done
   install -m 755 "$GUEST_DIR/init" "$root/init"
   install -m 755 "$GUEST_DIR/gpu-sandbox-agent" "$root/sbin/gpu-sandbox-agent"
+  install -m 755 "$GUEST_DIR/gpu-sandbox-gpus" "$root/sbin/gpu-sandbox-gpus"
   : > "$root/etc/gpu-sandbox/modules"
   for module in "${MODULES[@]}"; do
     cp "$work/kernel/lib/modules/$release/$module" "$root/lib/modules/"
