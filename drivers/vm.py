@@ -200,15 +200,22 @@ class VmDriver(Driver):
         chosen = []
         for device_id in plan.device_ids:
             if _INDEX.match(device_id):
-                index = int(device_id)
-                if index >= len(inventory):
+                # The host's index, as nvidia-smi numbers GPUs: GPUs in MIG mode count too.
+                index, gpus = int(device_id), self.host.gpus
+                if index >= len(gpus):
                     raise UnknownGpuDevice(
                         plan.field,
                         device_id,
-                        f"GPU index {index} out of range (have {len(inventory)} GPUs) "
-                        f"in {plan.field}",
+                        f"GPU index {index} out of range (have {len(gpus)} GPUs) in {plan.field}",
                     )
-                chosen.append(inventory[index])
+                if gpus[index] not in inventory:
+                    raise UnknownGpuDevice(
+                        plan.field,
+                        device_id,
+                        f"GPU index {index} ({gpus[index].pci_bus_id}) is in MIG mode; a VM takes "
+                        f"a whole GPU (this host's: {', '.join(g.pci_bus_id for g in inventory)})",
+                    )
+                chosen.append(gpus[index])
                 continue
             try:
                 bus = normalize_pci_bus_id(device_id)

@@ -33,12 +33,17 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhost.wait import wait_until
+
 VENDOR_NVIDIA = 0x10DE
 DEVICE_H100 = 0x2330
 """GH100 [H100 SXM5 80GB], the simulated host's model."""
 SUBSYSTEM = (0x10DE, 0x16C1)
 CLASS_3D_CONTROLLER = 0x030200
 BAR0_SIZE = 16 << 20
+EXIT_GRACE_S = 3.0
+"""A killed QEMU's main thread is a zombie (dead, to the lease registry) while its other
+threads still tear down and hold its files: its claim goes a moment later."""
 
 # MPQemuCmd (include/hw/remote/mpqemu-link.h, QEMU 7.2).
 SYNC_SYSMEM, RET, PCI_CFGWRITE, PCI_CFGREAD, BAR_WRITE, BAR_READ, SET_IRQFD, DEVICE_RESET = range(8)
@@ -157,8 +162,13 @@ class GpuFunction:
         lock_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(lock_dir / f"{pci_bus_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            wait_until(
+                lambda: fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                retry_on=(BlockingIOError,),
+                timeout_s=EXIT_GRACE_S,
+                what=f"the VM holding the PCI function {pci_bus_id} to let go of it",
+            )
+        except TimeoutError:
             os.close(lock_fd)
             raise GpuFunctionBusy(
                 errno.EBUSY, f"the PCI function {pci_bus_id} is held by another VM"
