@@ -127,6 +127,11 @@ AGENT_KILL_TIMEOUT_S = 20.0
 TRANSFER_TIMEOUT_S = 120.0
 """For a command's output to cross the virtio-serial port once it has ended (MB/s)."""
 REAP_TIMEOUT_S = 10.0
+CPIO_TIMEOUT_S = 30.0
+"""Packing a few files (the simulated host's share) takes milliseconds."""
+UNUSED_AFTER_S = 3600.0
+"""Templates and combined initramfs files unused this long are removed (they live in /run,
+in memory); simulated hosts come and go with each run."""
 VERSION_TIMEOUT_S = 10.0
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
@@ -152,7 +157,7 @@ class VmDriver(Driver):
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         super().__init__(host, session_id, image)
-        self.run_dir = Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
+        self.run_dir = Path(os.environ.get(RUN_DIR_ENV) or _default_run_dir())
         self.memory_mib = int(os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY_MIB)
         self.vfio = VfioBinder(host.config.state_directory())
         self._accel: tuple[str, str] | None = None
@@ -376,7 +381,7 @@ class VmDriver(Driver):
         devices: list[tuple[str, str, str]] = []
         process: subprocess.Popen[bytes] | None = None
         try:
-            initrd = image.initrd if snapshot else self.initrd(image)
+            initrd = self.guest_initrd(image) if snapshot else self.initrd(image)
             argv = self.qemu_argv(launch.sandbox_id, image, initrd, accel, directory)
             fds = [exec_theirs.fileno(), control_theirs.fileno(), qmp_theirs.fileno()]
             argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
@@ -497,15 +502,17 @@ class VmDriver(Driver):
         Made once (one boot) per guest image, memory size, acceleration and layout of GPU
         buses, by whichever process needs it first, under a lock; others wait for it.
         """
+        initrd = self.guest_initrd(image)
         key = hashlib.sha256(
             json.dumps(
-                [str(image.kernel), image.kernel.stat().st_mtime_ns, str(image.initrd),
-                 image.initrd.stat().st_mtime_ns, accel, self.memory_mib, self.layout(),
+                [str(image.kernel), image.kernel.stat().st_mtime_ns, str(initrd),
+                 initrd.stat().st_mtime_ns, accel, self.memory_mib, self.layout(),
                  KERNEL_ARGS, self.version()]
             ).encode()
         ).hexdigest()[:20]  # fmt: skip
         state = self.run_dir / "templates" / f"{key}.state"
         if state.exists():
+            _touch(state)
             return state
         state.parent.mkdir(parents=True, exist_ok=True)
         lock = os.open(state.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -517,6 +524,7 @@ class VmDriver(Driver):
                 what=f"another process to make the VM template {state}",
             )
             if not state.exists():
+                _prune(state.parent, "*.state")
                 self._make_template(image, accel, state)
         finally:
             os.close(lock)
@@ -528,7 +536,8 @@ class VmDriver(Driver):
         exec_ours, exec_theirs = socket.socketpair()
         control_ours, control_theirs = socket.socketpair()
         qmp_ours, qmp_theirs = socket.socketpair()
-        argv = self.qemu_argv(f"template-{state.stem}", image, image.initrd, accel, directory)
+        initrd = self.guest_initrd(image)
+        argv = self.qemu_argv(f"template-{state.stem}", image, initrd, accel, directory)
         argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
         argv += _chardev("ctl", control_theirs.fileno(), CONTROL_PORT)
         argv += ["-chardev", f"socket,id=qmp,fd={qmp_theirs.fileno()}"]
@@ -612,30 +621,37 @@ class VmDriver(Driver):
             "-device", "virtio-serial-pci,id=ports",
         ]  # fmt: skip
 
-    def initrd(self, image: GuestImage) -> Path:
-        """The image's initramfs, with the simulated host's share appended (a second cpio).
+    def guest_initrd(self, image: GuestImage) -> Path:
+        """The initramfs every VM boots, before any host's share: the image's."""
+        return image.initrd
 
-        Built once per image and share, then reused by every VM of the host.
+    def initrd(self, image: GuestImage) -> Path:
+        """The guest's initramfs with the simulated host's share appended (a second cpio).
+
+        Built once per image and share, then reused by every VM of the host that boots cold.
         """
+        base = self.guest_initrd(image)
         sim = self.host.simulated
         if sim is None:
-            return image.initrd
-        digest = hashlib.sha256(str(image.initrd).encode())
-        digest.update(str(image.initrd.stat().st_mtime_ns).encode())
+            return base
+        digest = hashlib.sha256(str(base).encode())
+        digest.update(str(base.stat().st_mtime_ns).encode())
         for path in sorted(sim.share_dir.rglob("*")):
             if path.is_file():
                 digest.update(str(path.relative_to(sim.share_dir)).encode() + path.read_bytes())
         combined = self.run_dir / "initrd" / f"{digest.hexdigest()[:20]}.cpio"
         with self._initrd_lock:
             if combined.exists():
+                _touch(combined)
                 return combined
             combined.parent.mkdir(parents=True, exist_ok=True)
+            _prune(combined.parent, "*.cpio")
             with tempfile.TemporaryDirectory(prefix="gpu-sandbox-vm-") as tmp:
                 staging = Path(tmp) / "root"
                 shutil.copytree(sim.share_dir, staging / SANDBOX_SHARE.lstrip("/"))
                 overlay = _cpio(staging)
             partial = combined.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            partial.write_bytes(image.initrd.read_bytes() + overlay)
+            partial.write_bytes(base.read_bytes() + overlay)
             partial.rename(combined)
         return combined
 
@@ -843,10 +859,14 @@ class _Qmp:
         return str(status.get("status", "")) if isinstance(status, dict) else ""
 
     def _until(self, done: Callable[[], bool], what: str) -> None:
-        while not done():
-            if time.monotonic() > self.deadline:
-                raise TimeoutError(f"QEMU did not {what} in time")
-            time.sleep(0.02)
+        wait_for(
+            done,
+            bool,
+            timeout_s=max(0.0, self.deadline - time.monotonic()),
+            what=f"QEMU to {what}",
+            hint="see the VM's qemu.log under the driver's run directory",
+            interval_s=0.02,
+        )
 
     def resume_incoming(self) -> None:
         """Wait until the saved state is loaded, then run the VM (it was saved stopped)."""
@@ -916,6 +936,7 @@ def _cpio(root: Path) -> bytes:
         capture_output=True,
         check=False,
         env=HOST_ENV,
+        timeout=CPIO_TIMEOUT_S,
     )
     if done.returncode != 0:
         raise SandboxStartError(f"cpio could not pack the guest overlay: {done.stderr.decode()}")
@@ -956,6 +977,29 @@ def _qemu_processes(session_id: str) -> list[tuple[str, int]]:
                     found.append((match["sandbox"], pid))
                 break
     return found
+
+
+def _default_run_dir() -> Path:
+    """/run/gpu-sandbox-vm (a tmpfs), or a directory of the user's own where /run is not theirs."""
+    if os.access(DEFAULT_RUN_DIR, os.W_OK) or os.access(DEFAULT_RUN_DIR.parent, os.W_OK):
+        return DEFAULT_RUN_DIR
+    return Path(tempfile.gettempdir()) / f"gpu-sandbox-vm-{os.getuid()}"
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _prune(directory: Path, pattern: str) -> None:
+    """Remove what no VM has used for a while: templates and initramfs of hosts long gone.
+
+    Each is read only as a VM starts; an hour unused is long past any start.
+    """
+    for path in directory.glob(pattern):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > UNUSED_AFTER_S:
+                path.unlink()
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -58,9 +58,9 @@ class AgentReportsSuccess(BrokenVmDriver):
 
     BREAKS = "SANDBOX-EXEC-01"
 
-    def initrd(self, image: GuestImage) -> Path:
-        base = super().initrd(image)
-        planted = base.with_name(f"agent-reports-success-{base.name}")
+    def guest_initrd(self, image: GuestImage) -> Path:
+        base = super().guest_initrd(image)
+        planted = self.run_dir / "initrd" / f"agent-reports-success-{base.stat().st_mtime_ns}.cpio"
         if not planted.exists():
             agent = re.sub(r'echo "done \$id \$rc ', 'echo "done $id 0 ', GUEST_AGENT.read_text())
             assert agent != GUEST_AGENT.read_text(), "the agent's answer line moved"
@@ -70,6 +70,7 @@ class AgentReportsSuccess(BrokenVmDriver):
                 target.write_text(agent)
                 target.chmod(0o755)
                 overlay = vm._cpio(Path(tmp))
+            planted.parent.mkdir(parents=True, exist_ok=True)
             partial = planted.with_suffix(f".{os.getpid()}.tmp")
             partial.write_bytes(base.read_bytes() + overlay)
             partial.rename(planted)
