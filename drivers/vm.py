@@ -113,6 +113,8 @@ ROOT_PORT_MEMORY = "32M"
 BOOT_TIMEOUT_S = 180.0
 """A guest boots in ~2.5 s of one core under TCG; on a loaded 2-core machine with eight
 booting at once (a test that takes every GPU) a boot has taken 40 s. Minutes mean it hangs."""
+TEMPLATE_FORMAT = 2
+"""Version of how templates are saved (2: memory in a file of its own, x-ignore-shared)."""
 TEMPLATE_SAVE_TIMEOUT_S = 120.0
 """Saving a booted guest's state (~70 MB of touched memory) to a tmpfs takes a few seconds."""
 HOTPLUG_TIMEOUT_S = 60.0
@@ -382,7 +384,12 @@ class VmDriver(Driver):
         process: subprocess.Popen[bytes] | None = None
         try:
             initrd = self.guest_initrd(image) if snapshot else self.initrd(image)
-            argv = self.qemu_argv(launch.sandbox_id, image, initrd, accel, directory)
+            memory = (
+                f"memory-backend-file,mem-path={template.with_suffix('.ram')},share=off"
+                if template is not None
+                else "memory-backend-memfd,share=on"
+            )
+            argv = self.qemu_argv(launch.sandbox_id, image, initrd, accel, directory, memory)
             fds = [exec_theirs.fileno(), control_theirs.fileno(), qmp_theirs.fileno()]
             argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
             argv += _chardev("ctl", control_theirs.fileno(), CONTROL_PORT)
@@ -403,7 +410,7 @@ class VmDriver(Driver):
                 port = f"port{layout.index(gpu.pci_bus_id)}"
                 devices.append((f"gpu{position}", driver, f"{option},bus={port},addr=0x0"))
             if template is not None:
-                argv += ["-incoming", f"exec:cat {shlex.quote(str(template))}"]
+                argv += ["-incoming", "defer"]
             else:
                 argv += [arg for id_, driver, rest in devices for arg in
                          ("-device", f"{driver},id={id_},{rest}")]  # fmt: skip
@@ -443,7 +450,7 @@ class VmDriver(Driver):
                 self._wait_until_ready(launch.sandbox_id, channel, deadline, alive, directory)
             else:
                 qmp = _Qmp(_Channel(qmp_ours), deadline, alive)
-                qmp.resume_incoming()
+                qmp.resume_incoming(template)
                 for id_, driver, rest in devices:
                     qmp.add_device(id_, driver, rest)
                 self._deliver_share(sandbox, [gpu.pci_bus_id for gpu in launch.gpus])
@@ -507,7 +514,7 @@ class VmDriver(Driver):
             json.dumps(
                 [str(image.kernel), image.kernel.stat().st_mtime_ns, str(initrd),
                  initrd.stat().st_mtime_ns, accel, self.memory_mib, self.layout(),
-                 KERNEL_ARGS, self.version()]
+                 KERNEL_ARGS, self.version(), TEMPLATE_FORMAT]
             ).encode()
         ).hexdigest()[:20]  # fmt: skip
         state = self.run_dir / "templates" / f"{key}.state"
@@ -524,7 +531,7 @@ class VmDriver(Driver):
                 what=f"another process to make the VM template {state}",
             )
             if not state.exists():
-                _prune(state.parent, "*.state")
+                _prune(state.parent, "*.state", also=(".ram",))
                 self._make_template(image, accel, state)
         finally:
             os.close(lock)
@@ -537,12 +544,14 @@ class VmDriver(Driver):
         control_ours, control_theirs = socket.socketpair()
         qmp_ours, qmp_theirs = socket.socketpair()
         initrd = self.guest_initrd(image)
-        argv = self.qemu_argv(f"template-{state.stem}", image, initrd, accel, directory)
+        partial = state.with_suffix(f".{os.getpid()}.tmp")
+        ram = state.with_suffix(f".{os.getpid()}.ram.tmp")
+        memory = f"memory-backend-file,mem-path={ram},share=on"
+        argv = self.qemu_argv(f"template-{state.stem}", image, initrd, accel, directory, memory)
         argv += _chardev("exec", exec_theirs.fileno(), EXEC_PORT)
         argv += _chardev("ctl", control_theirs.fileno(), CONTROL_PORT)
         argv += ["-chardev", f"socket,id=qmp,fd={qmp_theirs.fileno()}"]
         argv += ["-mon", "chardev=qmp,mode=control", *_root_ports(self.layout())]
-        partial = state.with_suffix(f".{os.getpid()}.tmp")
         with open(directory / "qemu.log", "wb") as log:
             process = spawn(
                 argv,
@@ -563,10 +572,13 @@ class VmDriver(Driver):
             self._wait_until_ready(state.stem, _Channel(exec_ours), deadline, alive, directory)
             qmp = _Qmp(_Channel(qmp_ours), time.monotonic() + TEMPLATE_SAVE_TIMEOUT_S, alive)
             qmp.save(partial)
+            stop_process(process)  # its memory file is the template's memory from now on
+            ram.rename(state.with_suffix(".ram"))
             partial.rename(state)
         finally:
             stop_process(process)
             partial.unlink(missing_ok=True)
+            ram.unlink(missing_ok=True)
             for end in (exec_ours, control_ours, qmp_ours):
                 end.close()
             shutil.rmtree(directory, ignore_errors=True)
@@ -599,9 +611,19 @@ class VmDriver(Driver):
             raise SandboxStartError(f"VM {sandbox_id}'s agent said {line!r}, not ready")
 
     def qemu_argv(
-        self, sandbox_id: str, image: GuestImage, initrd: Path, accel: str, directory: Path
+        self,
+        sandbox_id: str,
+        image: GuestImage,
+        initrd: Path,
+        accel: str,
+        directory: Path,
+        memory_backend: str = "memory-backend-memfd,share=on",
     ) -> list[str]:
-        """QEMU's command line for a sandbox, less its ports, root ports and GPUs."""
+        """QEMU's command line for a sandbox, less its ports, root ports and GPUs.
+
+        Its memory is a backend with a file descriptor, which the multi-process (proxy)
+        device needs: a memfd, or a template's memory file, mapped copy-on-write.
+        """
         memory = f"{self.memory_mib}M"
         return [
             "setpriv", "--pdeathsig", "SIGKILL", "--",
@@ -609,9 +631,8 @@ class VmDriver(Driver):
             "-name", f"{NAME_PREFIX}/{self.session_id}/{sandbox_id}",
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-accel", accel, *(["-cpu", "host"] if accel == "kvm" else []),
-            # Shared guest memory, which the multi-process (proxy) device needs.
             "-M", "q35,memory-backend=mem",
-            "-object", f"memory-backend-memfd,id=mem,size={memory},share=on",
+            "-object", f"{memory_backend},id=mem,size={memory}",
             "-m", memory,
             "-kernel", str(image.kernel),
             "-initrd", str(initrd),
@@ -868,8 +889,10 @@ class _Qmp:
             interval_s=0.02,
         )
 
-    def resume_incoming(self) -> None:
-        """Wait until the saved state is loaded, then run the VM (it was saved stopped)."""
+    def resume_incoming(self, state: Path) -> None:
+        """Load the template's state (its memory is mapped already), then run the VM."""
+        self.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
+        self.command("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state))}")
 
         def loaded() -> bool:
             status = self._migration()
@@ -888,8 +911,9 @@ class _Qmp:
         self.command("device_add", **arguments)
 
     def save(self, path: Path) -> None:
-        """Stop the VM and save its whole state to ``path``."""
+        """Stop the VM and save its state, less its memory (in its shared file), to ``path``."""
         self.command("stop")
+        self.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
         self.command("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
 
         def saved() -> bool:
@@ -899,6 +923,10 @@ class _Qmp:
             return status == "completed"
 
         self._until(saved, f"save the VM template to {path}")
+
+
+_IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
+"""Memory in a shared file is not copied into the saved state: the template's file is it."""
 
 
 def _chardev(name: str, fd: int, port: str) -> list[str]:
@@ -991,15 +1019,18 @@ def _touch(path: Path) -> None:
         os.utime(path)
 
 
-def _prune(directory: Path, pattern: str) -> None:
+def _prune(directory: Path, pattern: str, also: Sequence[str] = ()) -> None:
     """Remove what no VM has used for a while: templates and initramfs of hosts long gone.
 
-    Each is read only as a VM starts; an hour unused is long past any start.
+    Each is read only as a VM starts (a running VM keeps its mapping of a template's memory
+    file); an hour unused is long past any start. ``also``: suffixes of files that go with.
     """
     for path in directory.glob(pattern):
         with contextlib.suppress(OSError):
             if time.time() - path.stat().st_mtime > UNUSED_AFTER_S:
                 path.unlink()
+                for suffix in also:
+                    path.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int = 5) -> str:
