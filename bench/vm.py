@@ -165,3 +165,7 @@ def report(driver: VmDriver, args: argparse.Namespace, locks: Path) -> None:
         print(f"   qemu: PSS {pss / 1024:6.1f} MiB, RSS {rss / 1024:6.1f} MiB")
     total = sum(pss for pss, _ in sizes) / 1024
     print(f"   four VMs: {total:.0f} MiB PSS (target: within 2048 MiB)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
