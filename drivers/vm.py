@@ -23,8 +23,16 @@ host index. The GPU's PCI function appears in the guest at its own host address:
   served by ``gpuhost.simulated.pci_proxy`` from this process, and the guest's init makes a
   ``/dev/nvidia<minor>`` node for each NVIDIA function whose address the simulated host's
   inventory lists, as the NVIDIA driver makes one per GPU it probes. The simulated host's
-  share (inventory, the ``nvidia-smi`` stand-in) reaches the guest in an initramfs overlay
-  at ``/run/gpu-sim``. This is a simulation, and ``version()`` says so.
+  share (inventory, the ``nvidia-smi`` stand-in) reaches the guest at ``/run/gpu-sim``, in
+  an initramfs overlay or through the agent. This is a simulation, and ``version()`` says so.
+
+Boots: a VM either boots (``cold``: its GPU on QEMU's command line from the start; the
+default on real hosts) or resumes a template (``snapshot``, the default on simulated hosts):
+one VM per guest image and layout of the host's GPU buses is booted once, with a root port
+at every GPU's bus, and saved with QEMU's migration, its memory in a file of its own; each
+sandbox's QEMU maps that file copy-on-write, loads the small rest (``-incoming``), and gets
+its GPU hot-plugged into the root port at the GPU's bus (``device_add``, pciehp in the
+guest). A resume costs a fifth of a boot's CPU under TCG.
 
 Leases come from the host-wide registry and are held by the QEMU process (pid and start
 time): SIGKILL of QEMU frees its GPU. QEMU dies with its creator (``setpriv --pdeathsig``,
@@ -36,8 +44,8 @@ Acceleration: KVM when a short boot probe under KVM reaches the guest's init, TC
 the verdict is kept per boot of the host under the run directory. Options, from the
 environment (README: "The vm driver"): ``GPU_SANDBOX_VM_IMAGE`` (an image directory),
 ``GPU_SANDBOX_VM_KERNEL`` and ``GPU_SANDBOX_VM_INITRD`` (a kernel and initramfs of your own),
-``GPU_SANDBOX_VM_ACCEL`` (``kvm``, ``tcg`` or ``auto``), ``GPU_SANDBOX_VM_MEMORY_MIB``,
-``GPU_SANDBOX_VM_RUN_DIR``.
+``GPU_SANDBOX_VM_ACCEL`` (``kvm``, ``tcg`` or ``auto``), ``GPU_SANDBOX_VM_BOOT`` (``snapshot``
+or ``cold``), ``GPU_SANDBOX_VM_MEMORY_MIB``, ``GPU_SANDBOX_VM_RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -104,8 +112,6 @@ KERNEL_ARGS = (
 )
 """A quiet serial console, and no work a guest without a keyboard or secrets needs: about a
 fifth less boot time under TCG (3.3 s of CPU instead of 4.2 s, measured here)."""
-
-
 BOOT_ENV = "GPU_SANDBOX_VM_BOOT"
 SNAPSHOT, COLD = "snapshot", "cold"
 ROOT_PORT_MEMORY = "32M"
@@ -154,8 +160,6 @@ class GuestImage:
 
 class VmDriver(Driver):
     name = "vm"
-    # A boot takes seconds: a request that fails on exhaustion must not wait for one.
-    exhaustion_grace_s = 1.0
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         super().__init__(host, session_id, image)
@@ -272,7 +276,7 @@ class VmDriver(Driver):
                 "installs qemu-system-x86 as root, or: apt-get install qemu-system-x86)",
             )
         try:
-            image = self.guest_image()
+            self.guest_image()
         except SandboxStartError as exc:
             return Availability(False, str(exc))
         if self.host.simulated is not None and not shutil.which("cpio", path=_BASE_PATH):
@@ -289,7 +293,6 @@ class VmDriver(Driver):
                 "needed VFIO (found no /dev/vfio/vfio: modprobe vfio-pci, and enable the "
                 "IOMMU with intel_iommu=on or amd_iommu=on)",
             )
-        del image
         return Availability(True)
 
     def guest_image(self) -> GuestImage:
