@@ -54,11 +54,8 @@ def test_catalogue_passes_the_vm_driver(pytester: pytest.Pytester, tmp_path: Pat
     result, run = run_catalogue(pytester, tmp_path, "vm")
     verdicts = {req: cells["vm"] for req, cells in result["matrix"].items()}
     profile = requirements.load().profile("vm")
-    # GPU-SHARED-02 checks how shared GPUs are held: none is, by a driver that never shares
-    # (GPU-SHARED-01 checks that it refuses them).
-    not_applicable = {req for req in golden_ids() if profile[req] == "not applicable"}
     expected = {
-        req: "not applicable" if req in not_applicable | {"GPU-SHARED-02"} else "passed"
+        req: "not applicable" if profile[req] == "not applicable" else "passed"
         for req in golden_ids()
     }
     assert {req: verdicts.get(req) for req in golden_ids()} == expected
