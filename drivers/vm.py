@@ -534,7 +534,7 @@ class VmDriver(Driver):
                 what=f"another process to make the VM template {state}",
             )
             if not state.exists():
-                _prune(state.parent, "*.state", also=(".ram",))
+                _prune(state.parent, "*.state", also=(".ram", ".lock"))
                 self._make_template(image, accel, state)
         finally:
             os.close(lock)
