@@ -15,9 +15,10 @@ REPORTS := reports
 PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
+VM_IMAGE := scripts/vm-image.sh
 
 .PHONY: conformance test test-stress lint bench bench-engines bench-workloads venv host-packages \
-	test-packages simulated-host engines engines-stop clean
+	test-packages simulated-host engines engines-stop clean vm-image vm-lane bench-vm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,10 +90,22 @@ engines: host-packages
 engines-stop:
 	@$(ENGINES) stop
 
+# The vm lane's QEMU and guest image (scripts/vm-image.sh): QEMU, cpio, busybox-static and
+# lz4 from Debian when missing (root), Debian's cloud kernel extracted (never installed) and
+# a busybox initramfs built into /var/cache/gpu-sandbox/vm, cached by versions.
+vm-image:
+	@$(VM_IMAGE) install
+	@$(VM_IMAGE) build >/dev/null
+
+# `make conformance` sets the vm lane up as root; otherwise the driver's probe skips the lane
+# with what it needed and the command to run. A failed set-up is the probe's to report.
+vm-lane:
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory vm-image || true; fi
+
 # Prints the matrix and one verdict per driver; writes the reports (README: Reports). A real
 # GPU (nvidia-smi lists one) is used as it is; otherwise the run makes a simulated host of
 # its own (--sim-gpus), registered with the container engines, and removes it at the end.
-conformance: venv host-packages
+conformance: venv host-packages vm-lane
 	@mkdir -p $(REPORTS)
 	@sim=""; nvidia-smi -L >/dev/null 2>&1 || \
 	  sim="--sim-gpus=$(SIM_GPUS) --sim-mig=$(SIM_MIG) --sim-dri=$(SIM_DRI)"; \
@@ -111,7 +124,7 @@ lint: venv
 
 # The engine self-tests need dockerd and podman: installed when missing, started when not
 # running, and those this target started are stopped at the end.
-test: venv host-packages test-packages lint
+test: venv host-packages test-packages lint vm-image
 	@$(ENGINES) install
 	@started="$$($(ENGINES) start)" || exit 1; rc=0; \
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
@@ -127,6 +140,10 @@ bench: venv host-packages
 
 bench-engines: venv engines
 	$(BIN)/python -m bench.engines $(BENCH_ARGS)
+
+# The vm driver's lifecycle against a bare QEMU boot, boot times, memory, the lane's time.
+bench-vm: venv vm-image
+	$(BIN)/python -m bench.vm $(BENCH_ARGS)
 
 # Matmul and copy payloads in a reference sandbox vs the bare host; CPU mode without a GPU.
 bench-workloads: venv host-packages

@@ -588,6 +588,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterat
     write_line(f"GPU host: {results.header['host']}")
     if results.header["simulated"]:
         write_line("These results used SIMULATED GPUs.")
+    versions = [
+        f"{name} ({info['version']})" if info["version"] else name
+        for name, info in results.drivers.items()
+    ]
+    write_line(f"drivers: {', '.join(versions)}")
     for line in text_table(results):
         write_line(line)
     terminalreporter.section("verdict")

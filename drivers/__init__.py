@@ -13,6 +13,7 @@ REGISTRY: Final = {
     "reference": "drivers.reference:ReferenceDriver",
     "docker": "drivers.docker:DockerDriver",
     "podman": "drivers.podman:PodmanDriver",
+    "vm": "drivers.vm:VmDriver",
 }
 """Built-in drivers by name. Modules are imported only when their driver is chosen."""
 

@@ -24,11 +24,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from drivers.base import (
     DEFAULT_EXEC_TIMEOUT_S,
@@ -42,6 +40,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from gpuhost.leases import Holder, LeaseRegistry, process_start_time
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
+from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
@@ -77,43 +76,6 @@ _ETC_SECRETS = tuple(
 """Credentials under /etc that a sandbox run by root could otherwise read."""
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 _SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
-
-_spawners: dict[int, ThreadPoolExecutor] = {}
-_spawners_lock = threading.Lock()
-
-
-def _reset_spawners_lock() -> None:
-    global _spawners_lock
-    _spawners_lock = threading.Lock()
-
-
-# A thread of the parent may hold the lock at fork(); the child's copy would stay locked.
-os.register_at_fork(after_in_child=_reset_spawners_lock)
-
-
-def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """Start bwrap from one long-lived thread per process.
-
-    ``--die-with-parent`` is PR_SET_PDEATHSIG, which fires when the *thread* that forked
-    the sandbox exits; a sandbox created from a short-lived worker thread would die with it.
-    """
-    with _spawners_lock:
-        spawner = _spawners.get(os.getpid())
-        if spawner is None:
-            spawner = _spawners[os.getpid()] = ThreadPoolExecutor(1, "sandbox-spawner")
-
-    def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, **kwargs)
-
-    future = spawner.submit(start)
-    try:
-        return future.result()
-    except BaseException:
-        # Interrupted while the spawner may still start the sandbox: let it finish, then
-        # stop what it started, so that no sandbox runs without a lease.
-        with contextlib.suppress(BaseException):
-            _stop_process(future.result())
-        raise
 
 
 class ReferenceDriver(Driver):
@@ -215,7 +177,7 @@ class ReferenceDriver(Driver):
         """Start bwrap and wait for its init to say it is ready."""
         info_read, info_write = os.pipe()
         try:
-            process = _spawn(
+            process = spawn(
                 [*argv, "--info-fd", str(info_write), *self.init_argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -227,7 +189,7 @@ class ReferenceDriver(Driver):
             os.close(info_read)
             raise
         finally:
-            # _spawn returns (or raises) only once the spawner is done with the fd.
+            # spawn returns (or raises) only once the spawner is done with the fd.
             os.close(info_write)
         try:
             with os.fdopen(info_read, "rb") as info:
@@ -250,7 +212,7 @@ class ReferenceDriver(Driver):
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
         except BaseException:
-            _stop_process(process)
+            stop_process(process)
             raise
         return ReferenceSandbox(
             launch.sandbox_id,
@@ -437,7 +399,7 @@ class ReferenceSandbox(Sandbox):
             kill_marked(needle)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.communicate(timeout=KILL_TIMEOUT_S)
-            _stop_process(process)
+            stop_process(process)
             if isinstance(exc, subprocess.TimeoutExpired):
                 raise ExecTimeout(argv, timeout) from None
             raise
@@ -462,7 +424,7 @@ class ReferenceSandbox(Sandbox):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(self._close_timeout_s)
         finally:
-            _stop_process(self._process)
+            stop_process(self._process)
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)
@@ -495,16 +457,6 @@ def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -
 def tool(name: str) -> str:
     """The absolute path of a host tool, looked up in the fixed host PATH."""
     return shutil.which(name, path=_BASE_PATH) or name
-
-
-def _stop_process(process: subprocess.Popen[bytes]) -> None:
-    """Kill (if still running) and reap a process, and close our ends of its pipes."""
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            stream.close()
 
 
 def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:

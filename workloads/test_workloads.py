@@ -22,6 +22,11 @@ def test_workload_ends_as_the_manifest_expects(
     """A manifest workload MUST run in the sandbox and end as the manifest expects."""
     if workload_cpu and workload.payload is None and workload.gpus:
         pytest.skip(f"{workload.name} is a command: it has no CPU mode")
+    if workload.gpus > driver.capabilities.max_gpus_per_sandbox:
+        pytest.skip(
+            f"{workload.name} needs {workload.gpus} GPUs in one sandbox; the {driver.name} "
+            f"driver gives at most {driver.capabilities.max_gpus_per_sandbox}"
+        )
     simulated = driver.host.simulated is not None
     if simulated and not workload_cpu and workload.gpus:
         pytest.skip(

@@ -1,0 +1,223 @@
+"""Handing a GPU to a VM with VFIO: its IOMMU group bound to vfio-pci, and given back.
+
+A PCI device passes through to a QEMU guest (``-device vfio-pci,host=<BDF>``) only when
+every function of its IOMMU group (a GPU's audio function, say) is bound to ``vfio-pci``
+or to no driver. ``VfioBinder.claim`` binds them, the kernel's way:
+
+1. ``driver_override`` set to ``vfio-pci`` (so that no other driver takes the function back),
+2. the function unbound from its driver (``drivers/<driver>/unbind``),
+3. bound to vfio-pci (``drivers/vfio-pci/bind``), and waited for until its ``driver`` link
+   names vfio-pci;
+
+``release`` undoes it: ``driver_override`` cleared, unbound from vfio-pci, bound to the
+driver it had. What a claim changed is written to the state directory *before* it changes
+it (one JSON file per IOMMU group, naming the sandbox and the process that holds it), so a
+run that crashed leaves a record: ``reconcile`` restores every group whose holder is gone.
+Claims, releases and reconciles of one host exclude each other with a lock in the state
+directory.
+
+Everything works on a sysfs root given as a parameter (``/sys`` on a real host), so the
+tests run it on trees they construct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuhost.leases import Holder, liveness_check
+from gpuhost.wait import wait_for
+
+VFIO_DRIVER = "vfio-pci"
+BIND_TIMEOUT_S = 10.0
+"""Binding is synchronous in the kernel; a GPU driver's unbind can take a second or two
+(it waits for the GPU to idle). Ten seconds means something holds the device."""
+
+
+class VfioError(RuntimeError):
+    """A device could not be bound to vfio-pci or given back; the message says which step."""
+
+
+@dataclass(frozen=True)
+class VfioClaim:
+    """An IOMMU group bound to vfio-pci for one sandbox."""
+
+    group: str
+    functions: dict[str, str | None]
+    """Every function of the group → the driver it had before (None: none)."""
+    device: Path
+    """``/dev/vfio/<group>``, which QEMU opens."""
+
+
+class VfioBinder:
+    """Binds IOMMU groups to vfio-pci under ``sysfs`` and records it under ``state_dir``."""
+
+    def __init__(self, state_dir: Path, sysfs: Path = Path("/sys"), dev: Path = Path("/dev")):
+        self.sysfs = sysfs
+        self.dev = dev
+        self.records = state_dir / "vfio"
+
+    # -- reading sysfs ----------------------------------------------------------------
+
+    def _device(self, bdf: str) -> Path:
+        return self.sysfs / "bus" / "pci" / "devices" / bdf
+
+    def _driver_dir(self, driver: str) -> Path:
+        return self.sysfs / "bus" / "pci" / "drivers" / driver
+
+    def group_of(self, bdf: str) -> str:
+        """The IOMMU group of a PCI function; VfioError when it has none (no IOMMU)."""
+        link = self._device(bdf) / "iommu_group"
+        if not self._device(bdf).exists():
+            raise VfioError(f"no PCI device {bdf} under {self.sysfs}/bus/pci/devices")
+        if not link.is_symlink():
+            raise VfioError(
+                f"{bdf} is in no IOMMU group ({link} is missing): enable the IOMMU "
+                "(intel_iommu=on or amd_iommu=on on the kernel command line) for VFIO"
+            )
+        return Path(os.readlink(link)).name
+
+    def group_functions(self, group: str) -> list[str]:
+        """Every PCI function of an IOMMU group, in address order."""
+        return sorted(
+            p.name for p in (self.sysfs / "kernel" / "iommu_groups" / group / "devices").iterdir()
+        )
+
+    def driver_of(self, bdf: str) -> str | None:
+        link = self._device(bdf) / "driver"
+        return Path(os.readlink(link)).name if link.is_symlink() else None
+
+    # -- claiming and giving back ---------------------------------------------------------
+
+    def claim(self, bdf: str, sandbox_id: str, holder: Holder) -> VfioClaim:
+        """Bind ``bdf``'s whole IOMMU group to vfio-pci for ``sandbox_id``, held by ``holder``."""
+        group = self.group_of(bdf)
+        functions = {fn: self.driver_of(fn) for fn in self.group_functions(group)}
+        with self._locked():
+            record = self._record(group)
+            if record.exists():
+                previous = json.loads(record.read_text())
+                raise VfioError(
+                    f"IOMMU group {group} of {bdf} is bound for sandbox {previous['sandbox']} "
+                    f"(record {record})"
+                )
+            self._write(record, sandbox_id, holder, functions)
+            try:
+                for fn in functions:
+                    self._bind(fn, VFIO_DRIVER)
+            except BaseException:
+                self._restore(functions)
+                record.unlink(missing_ok=True)
+                raise
+        return VfioClaim(group, functions, self.dev / "vfio" / group)
+
+    def set_holder(self, claim: VfioClaim, sandbox_id: str, holder: Holder) -> None:
+        """Record the process that now holds the group (the VM, once it runs)."""
+        with self._locked():
+            self._write(self._record(claim.group), sandbox_id, holder, claim.functions)
+
+    def release(self, group: str) -> None:
+        """Give every function of ``group`` back to the driver it had; forget the record."""
+        with self._locked():
+            self._release(group)
+
+    def reconcile(self) -> list[str]:
+        """Give back the groups whose holders are gone (a run that crashed); returns them."""
+        restored = []
+        with self._locked():
+            for record in sorted(self.records.glob("*.json")):
+                data = json.loads(record.read_text())
+                holder = Holder(**data["holder"])
+                check = liveness_check(holder.kind)
+                if check is not None and not check(holder):
+                    self._release(record.stem)
+                    restored.append(record.stem)
+        return restored
+
+    def claims(self) -> dict[str, str]:
+        """IOMMU group → the sandbox it is bound for, as recorded."""
+        if not self.records.is_dir():
+            return {}
+        return {
+            record.stem: json.loads(record.read_text())["sandbox"]
+            for record in self.records.glob("*.json")
+        }
+
+    def _release(self, group: str) -> None:
+        record = self._record(group)
+        if not record.exists():
+            return
+        functions: dict[str, str | None] = json.loads(record.read_text())["functions"]
+        self._restore(functions)
+        record.unlink()
+
+    def _restore(self, functions: dict[str, str | None]) -> None:
+        for fn, original in functions.items():
+            self._bind(fn, original)
+
+    def _bind(self, bdf: str, driver: str | None) -> None:
+        """Move ``bdf`` to ``driver`` (None: no driver), as the kernel wants it done."""
+        current = self.driver_of(bdf)
+        if current == driver:
+            self._write_attribute(self._device(bdf) / "driver_override", _override(driver))
+            return
+        self._write_attribute(self._device(bdf) / "driver_override", _override(driver))
+        if current is not None:
+            self._write_attribute(self._driver_dir(current) / "unbind", bdf)
+            self._wait_for_driver(bdf, None)
+        if driver is not None:
+            self._write_attribute(self._driver_dir(driver) / "bind", bdf)
+            self._wait_for_driver(bdf, driver)
+
+    def _wait_for_driver(self, bdf: str, driver: str | None) -> None:
+        wait_for(
+            lambda: self.driver_of(bdf),
+            lambda current: current == driver,
+            timeout_s=BIND_TIMEOUT_S,
+            what=f"{bdf} to be bound to {driver or 'no driver'}",
+            hint=f"see `dmesg` and {self._device(bdf)}/driver",
+        )
+
+    def _write_attribute(self, path: Path, value: str) -> None:
+        try:
+            with open(path, "w") as attribute:
+                attribute.write(value + "\n")
+        except OSError as exc:
+            raise VfioError(f"cannot write {value!r} to {path}: {exc}") from exc
+
+    # -- the records ---------------------------------------------------------------------
+
+    def _record(self, group: str) -> Path:
+        return self.records / f"{group}.json"
+
+    def _write(
+        self, record: Path, sandbox_id: str, holder: Holder, functions: dict[str, str | None]
+    ) -> None:
+        data = {
+            "sandbox": sandbox_id,
+            "holder": {"kind": holder.kind, "ref": holder.ref},
+            "functions": functions,
+        }
+        partial = record.with_suffix(".tmp")
+        partial.write_text(json.dumps(data))
+        partial.rename(record)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.records.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.records / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _override(driver: str | None) -> str:
+    """What ``driver_override`` gets: the driver to bind, or empty to clear it."""
+    return driver if driver == VFIO_DRIVER else ""

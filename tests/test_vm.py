@@ -1,0 +1,211 @@
+"""The vm lane on real QEMU: the catalogue, the planted variants, what is refused up front.
+
+The catalogue runs against the vm driver on a simulated host, and against each of its
+planted broken variants; requests the driver must refuse are refused before a VM boots.
+QEMU and the guest image must be there (`make test` builds them: `make vm-image`); a
+machine without them fails here with the reason, never skips. Catalogue runs boot many VMs:
+they run in one xdist group, one after the other.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conformance import requirements
+from drivers.vm import VmDriver
+from gpuhost import simulated
+from gpuhost.errors import UnknownGpuDevice, UnsupportedGpuRequest
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.simulated import pci_proxy
+from gpuhost.spec import SHARED, SandboxSpec
+from tests import broken_vms
+from tests.test_planted import golden_ids, run_catalogue
+
+pytestmark = pytest.mark.xdist_group("vm")
+RECLAIM_TIMEOUT = "--reclaim-timeout=10"
+"""A killed QEMU's leases come back once its main thread is gone; on a loaded machine its
+teardown can take longer than the 2 s the reference driver's self-tests allow."""
+
+
+@pytest.fixture
+def vm_host(tmp_path: Path) -> Iterator[GpuHost]:
+    """A simulated host of 4 GPUs, one of them in MIG mode (the vm driver passes 3)."""
+    sim = simulated.setup(tmp_path / "sim", 4, mig={0: ["1g.10gb"] * 2})
+    yield GpuHost.open(HostConfig(sim.root))
+    simulated.teardown(sim.root)
+
+
+@pytest.fixture
+def vm_driver(vm_host: GpuHost) -> Iterator[VmDriver]:
+    driver = VmDriver(vm_host, f"vm-{time.time_ns()}")
+    availability = driver.probe()
+    assert availability.ok, f"the vm driver cannot run here: {availability.reason}"
+    yield driver
+    driver.reap(driver.session_id)
+
+
+def test_catalogue_passes_the_vm_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """Every requirement of the vm profile passes on QEMU; the rest is not applicable."""
+    result, run = run_catalogue(pytester, tmp_path, "vm", 8, RECLAIM_TIMEOUT)
+    verdicts = {req: cells["vm"] for req, cells in result["matrix"].items()}
+    profile = requirements.load().profile("vm")
+    expected = {
+        req: "not applicable" if profile[req] == "not applicable" else "passed"
+        for req in golden_ids()
+    }
+    assert {req: verdicts.get(req) for req in golden_ids()} == expected
+    assert (
+        "TCG" in result["drivers"]["vm"]["version"] or "KVM" in result["drivers"]["vm"]["version"]
+    )
+    run.stdout.fnmatch_lines(["vm: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
+
+
+@pytest.mark.parametrize("broken", broken_vms.ALL, ids=[cls.__name__ for cls in broken_vms.ALL])
+def test_catalogue_fails_the_broken_vm_driver(
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[broken_vms.BrokenVmDriver]
+) -> None:
+    name = f"tests.broken_vms:{broken.__name__}"
+    result, run = run_catalogue(
+        pytester, tmp_path, name, 4, RECLAIM_TIMEOUT, f"--requirement={broken.BREAKS}", full=False
+    )
+    explained = f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}: {result['tests']}"
+    assert result["matrix"][broken.BREAKS][name] == "failed", explained
+    assert [test for test in result["tests"] if test["outcome"] == "failed"], explained
+    run.stdout.fnmatch_lines([f"{name}: FAIL — *{broken.BREAKS}*"])
+
+
+def _nothing_taken(driver: VmDriver) -> None:
+    __tracebackhide__ = True
+    assert driver.sandboxes(driver.session_id) == [], "a VM was left behind"
+    assert driver.host.leases.leases() == [], "a lease was left behind"
+
+
+def test_more_than_one_gpu_is_refused_before_anything_is_taken(vm_driver: VmDriver) -> None:
+    """Count 2, two exact IDs (with and without a count): UnsupportedGpuRequest, no VM."""
+    gpus = vm_driver.inventory()
+    ids_field = "driver_config.vm.gpu_device_ids"
+    two = [vm_driver.device_ids(gpus[0])[0], vm_driver.device_ids(gpus[1])[1]]
+    for spec, field in (
+        (SandboxSpec.with_gpus(2), "resource_requirements.gpu.count"),
+        (SandboxSpec.with_gpus(driver="vm", device_ids=two), ids_field),
+        (SandboxSpec.with_gpus(2, driver="vm", device_ids=two), "resource_requirements.gpu.count"),
+    ):
+        with pytest.raises(UnsupportedGpuRequest) as refused:
+            vm_driver.create(spec)
+        assert refused.value.field == field
+        assert "VM GPU sandboxes support only one GPU" in str(refused.value)
+        assert f"this host has {len(gpus)} GPUs" in str(refused.value)
+        _nothing_taken(vm_driver)
+    with pytest.raises(UnsupportedGpuRequest) as shared:
+        vm_driver.create(SandboxSpec.with_gpus(sharing=SHARED))
+    assert shared.value.field == "resource_requirements.gpu.sharing"
+    assert "'shared'" in str(shared.value)
+    _nothing_taken(vm_driver)
+
+
+@pytest.mark.parametrize(
+    ("device_id", "message"),
+    [
+        ("0000:2a:0.0", "invalid PCI BDF address: 0000:2a:0.0"),
+        ("GPU-123", "invalid PCI BDF address: GPU-123"),
+        ("4", "GPU index 4 out of range (have 4 GPUs)"),
+        ("0", "GPU index 0 (0000:18:00.0) is in MIG mode"),
+        ("0000:ee:00.0", "no GPU that passes through is at PCI address 0000:ee:00.0"),
+    ],
+)
+def test_bad_exact_ids_name_the_value(vm_driver: VmDriver, device_id: str, message: str) -> None:
+    with pytest.raises(UnknownGpuDevice) as refused:
+        vm_driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=[device_id]))
+    assert refused.value.field == "driver_config.vm.gpu_device_ids"
+    assert refused.value.value == device_id
+    assert message in str(refused.value)
+    _nothing_taken(vm_driver)
+
+
+def test_a_gpu_in_mig_mode_is_not_offered(vm_driver: VmDriver, vm_host: GpuHost) -> None:
+    in_mig = next(gpu for gpu in vm_host.gpus if gpu.mig_enabled)
+    assert in_mig not in vm_driver.inventory()
+    with pytest.raises(UnknownGpuDevice):
+        vm_driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=[in_mig.pci_bus_id]))
+
+
+def test_one_gpu_sees_its_own_address_and_a_second_vm_cannot_open_it(
+    vm_driver: VmDriver,
+) -> None:
+    """The guest finds an NVIDIA function at the host's own address, and only there.
+
+    The GPU's function refuses a second VM (EBUSY) while the first lives, and serves the
+    next once it ends.
+    """
+    gpu = vm_driver.inventory()[-1]
+    with vm_driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=[gpu.pci_bus_id])) as vm:
+        found = vm.exec(["sh", "-c", "cat /sys/bus/pci/devices/*/uevent | grep PCI_ID="]).check()
+        assert "PCI_ID=10DE:2330" in found.stdout
+        slots = vm.exec(["sh", "-c", "grep -l 10de /sys/bus/pci/devices/*/vendor"]).check()
+        assert slots.stdout.split() == [f"/sys/bus/pci/devices/{gpu.pci_bus_id}/vendor"]
+        assert vm_driver.host.simulated is not None
+        locks = vm_driver.host.simulated.root / "vfio-groups"
+        with pytest.raises(pci_proxy.GpuFunctionBusy):
+            pci_proxy.GpuFunction.claim(locks, gpu.pci_bus_id)
+    pci_proxy.GpuFunction.claim(locks, gpu.pci_bus_id).handed_over()
+
+
+def test_version_names_the_acceleration_and_the_simulation(vm_driver: VmDriver) -> None:
+    version = vm_driver.version()
+    accel, why = vm_driver.acceleration()
+    assert version.startswith("qemu "), version
+    assert accel.upper() in version
+    assert why
+    assert "simulated" in version
+
+
+def test_probe_without_the_image_says_what_to_run(
+    vm_host: GpuHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_SANDBOX_VM_IMAGE", str(tmp_path / "none"))
+    availability = VmDriver(vm_host, "probe").probe()
+    assert not availability.ok
+    assert "make vm-image" in availability.reason
+    assert availability.reason.startswith("needed ")
+
+
+def _qemu_message(cmd: int, payload: bytes) -> bytes:
+    return struct.pack("=i4xQ", cmd, len(payload)) + payload
+
+
+def test_the_pci_function_answers_qemus_protocol() -> None:
+    """Config reads and writes, BAR sizing and a memory map with descriptors, as QEMU sends."""
+    ours, qemu = socket.socketpair()
+    server = threading.Thread(target=pci_proxy.serve, args=(ours,), daemon=True)
+    server.start()
+
+    def config(cmd: int, addr: int, value: int, length: int) -> int:
+        qemu.sendall(_qemu_message(cmd, struct.pack("=IIi", addr, value, length)))
+        reply = qemu.recv(24, socket.MSG_WAITALL)
+        answer, size, value = struct.unpack("=i4xQQ", reply)
+        assert (answer, size) == (pci_proxy.RET, 8)
+        return int(value)
+
+    read, write = pci_proxy.PCI_CFGREAD, pci_proxy.PCI_CFGWRITE
+    assert config(read, 0x00, 0, 2) == 0x10DE
+    assert config(read, 0x02, 0, 2) == 0x2330
+    assert config(read, 0x08, 0, 4) >> 8 == 0x030200
+    # A memory map arrives with a descriptor; no answer is due, and the descriptor is closed.
+    memfd = os.memfd_create("guest-ram")
+    socket.send_fds(qemu, [_qemu_message(pci_proxy.SYNC_SYSMEM, bytes(192))], [memfd])
+    os.close(memfd)
+    config(write, 0x10, 0xFFFFFFFF, 4)
+    assert config(read, 0x10, 0, 4) == (~(pci_proxy.BAR0_SIZE - 1)) & 0xFFFFFFF0
+    assert config(read, 0x3D, 0, 1) == 1
+    qemu.close()
+    server.join(5)
+    assert not server.is_alive(), "the server outlived QEMU's end of the socket"
