@@ -159,6 +159,19 @@ def _alive(holder: Holder) -> bool:
     return True if check is None else check(holder)
 
 
+def _leases(
+    granted: Sequence[GpuDevice], owner: LeaseOwner, mode: str, share_limit: int
+) -> list[Lease]:
+    """The leases of a grant, stamped with its owner and the time."""
+    now = time.time()
+    limit = share_limit if mode == SHARED else None
+    return [
+        Lease(gpu.uuid, owner.driver, owner.sandbox_id, owner.session_id, owner.holder, mode,
+              now, gpu.parent_uuid, limit)
+        for gpu in granted
+    ]  # fmt: skip
+
+
 def _dead(leases: Collection[Lease]) -> set[Lease]:
     """The leases whose holders are gone, asking once per holder, all holders at once."""
     holders = list({lease.holder for lease in leases})
@@ -194,9 +207,15 @@ class LeaseRegistry:
         Exclusive requests take the lowest free devices; shared ones fill the lowest GPUs
         already shared (with room under the limit) before they take a free one.
 
-        When a grant fails on leases whose holders only a container engine can judge, they
-        are judged outside the lock and the grant is tried again without the dead ones.
+        Holders are judged only when the leases as they stand refuse the grant, which keeps
+        the host lock short (a /proc read per holder): then the leases of dead processes are
+        dropped, and those whose holders only a container engine can judge are judged
+        outside the lock, and the grant is tried again without the dead ones.
         """
+        with self._locked(reclaim=False) as leases, contextlib.suppress(GpuAllocationError):
+            granted = _grant(leases, inventory, count, exact, mode, share_limit)
+            leases.extend(_leases(granted, owner, mode, share_limit))
+            return granted
         dead: set[Lease] = set()
         while True:
             with self._locked(drop=dead) as leases:
@@ -206,13 +225,7 @@ class LeaseRegistry:
                     refusal = exc
                     suspects = [x for x in leases if x.holder.kind != PROCESS and x not in dead]
                 else:
-                    now = time.time()
-                    limit = share_limit if mode == SHARED else None
-                    leases.extend(
-                        Lease(gpu.uuid, owner.driver, owner.sandbox_id, owner.session_id,
-                              owner.holder, mode, now, gpu.parent_uuid, limit)
-                        for gpu in granted
-                    )  # fmt: skip
+                    leases.extend(_leases(granted, owner, mode, share_limit))
                     return granted
             newly_dead = _dead({lease for lease in suspects})
             if not newly_dead:
