@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("serial", args.runs, ()),
                     ("-n 2", args.xdist_runs, ("-n", "2")),
                 ):
+                    if runs == 0:
+                        continue
                     times, failed = bench_catalogue(sim.root, name, runs, *extra)
                     listed = ", ".join(f"{t:.1f}" for t in times)
                     print(
