@@ -16,9 +16,11 @@ PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
 VM_IMAGE := scripts/vm-image.sh
+CLUSTER := scripts/cluster.sh
 
 .PHONY: conformance test test-stress lint bench bench-engines bench-workloads venv host-packages \
-	test-packages simulated-host engines engines-stop clean vm-image vm-lane bench-vm
+	test-packages simulated-host engines engines-stop clean vm-image vm-lane bench-vm \
+	cluster cluster-stop
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +92,21 @@ engines: host-packages
 engines-stop:
 	@$(ENGINES) stop
 
+# The kubernetes lane's single-node cluster (scripts/cluster.sh), as root: its packages from
+# Debian when missing, Kubernetes 1.20.2 built once from Debian's source package and cached
+# in /var/cache/gpu-sandbox/kubernetes (~5 min cold, seconds warm), then started under
+# /run/gpu-sandbox-cluster with two simulated GPU hosts and their device plugins, unless it
+# already answers. kubectl: /run/gpu-sandbox-cluster/bin/kubectl --kubeconfig
+# /run/gpu-sandbox-cluster/kubeconfig. `make cluster-stop` stops it and undoes its changes.
+# `make conformance` runs the kubernetes lane when a cluster answers (this one, or yours
+# through KUBECONFIG), and otherwise reports it skipped with what it needed.
+cluster: $(BIN)/.installed
+	@$(CLUSTER) install
+	@$(CLUSTER) start
+
+cluster-stop:
+	@$(CLUSTER) stop
+
 # The vm lane's QEMU and guest image (scripts/vm-image.sh): QEMU, cpio, busybox-static and
 # lz4 from Debian when missing (root), Debian's cloud kernel extracted (never installed) and
 # a busybox initramfs built into /var/cache/gpu-sandbox/vm, cached by versions.
@@ -124,11 +141,16 @@ lint: venv
 
 # The engine self-tests need dockerd and podman: installed when missing, started when not
 # running, and those this target started are stopped at the end.
+# The engines and the cluster it starts, it stops again; those that were running stay.
 test: venv host-packages test-packages lint vm-image
 	@$(ENGINES) install
-	@started="$$($(ENGINES) start)" || exit 1; rc=0; \
+	@$(CLUSTER) install
+	@cluster_was_up=""; $(CLUSTER) status >/dev/null 2>&1 && cluster_was_up=1; \
+	$(CLUSTER) start || exit 1; \
+	started="$$($(ENGINES) start)" || exit 1; rc=0; \
 	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
-	[ -z "$$started" ] || $(ENGINES) stop $$started; exit $$rc
+	[ -z "$$started" ] || $(ENGINES) stop $$started; \
+	[ -n "$$cluster_was_up" ] || $(CLUSTER) stop; exit $$rc
 
 # `make test` again and again (fresh clones, CI=true) beside CPU hogs and a conformance loop
 # against the engines; reports pass counts and the tests that failed, by name.
@@ -144,6 +166,12 @@ bench-engines: venv engines
 # The vm driver's lifecycle against a bare QEMU boot, boot times, memory, the lane's time.
 bench-vm: venv vm-image
 	$(BIN)/python -m bench.vm $(BENCH_ARGS)
+
+# The kubernetes lane: pod lifecycle against `kubectl run --rm -i`, the cluster's memory,
+# the lane's wall time (bench/kubernetes.py).
+.PHONY: bench-kubernetes
+bench-kubernetes: venv cluster
+	$(BIN)/python -m bench.kubernetes $(BENCH_ARGS)
 
 # Matmul and copy payloads in a reference sandbox vs the bare host; CPU mode without a GPU.
 bench-workloads: venv host-packages

@@ -28,9 +28,8 @@ import pytest
 
 from conformance import requirements
 from conformance.report import Entry, Results, entry, text_table, to_markdown, write
-from drivers import REGISTRY, UnknownDriver, get_driver_class
+from drivers import REGISTRY, UnknownDriver, get_driver_class, reap_session
 from drivers.base import Driver, Sandbox
-from drivers.reaping import reap_session
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import DEFAULT_SHARE_LIMIT

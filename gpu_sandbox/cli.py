@@ -2,7 +2,7 @@
 
     gpu-sandbox run  [--driver D] [GPU flags] [--image I] [--env K=V]... [-- CMD...]
     gpu-sandbox spec [--driver D] [GPU flags] [--json]
-    gpu-sandbox gpus [--json]
+    gpu-sandbox gpus [--json | --node-annotation]
     gpu-sandbox reap SESSION [--driver D]...
 
 GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-device ID`` (repeatable),
@@ -195,6 +195,12 @@ def parser() -> argparse.ArgumentParser:
         "each (without asking any engine), and who holds it now (the lease registry).",
     )
     gpus.add_argument("--json", action="store_true", help="one JSON object")
+    gpus.add_argument(
+        "--node-annotation",
+        action="store_true",
+        help="the value of the kubernetes driver's node annotation gpu-sandbox.dev/gpus for "
+        "this host's whole NVIDIA GPUs (README: The kubernetes driver)",
+    )
     gpus.set_defaults(command=gpus_command)
 
     reap = commands.add_parser(
@@ -404,6 +410,14 @@ def _describe_plan(plan: dict[str, Any] | None) -> str:
 def gpus_command(args: argparse.Namespace) -> int:
     from gpu_sandbox.inventory import take
 
+    if args.node_annotation:
+        from gpuhost.devices import gpus_to_json
+        from gpuhost.host import GpuHost
+
+        host = GpuHost.open(_host_config(args))
+        whole = [gpu for gpu in host.gpus if not gpu.mig_enabled]
+        _print(f'{{"nvidia.com/gpu": {gpus_to_json(whole)}}}')
+        return 0
     inventory = take(_host_config(args))
     if args.json:
         _print(json.dumps(inventory.to_json(), indent=2))
@@ -461,8 +475,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def reap_command(args: argparse.Namespace) -> int:
-    from drivers import REGISTRY, UnknownDriver, get_driver_class
-    from drivers.reaping import Reaped, reap_session
+    from drivers import REGISTRY, Reaped, UnknownDriver, get_driver_class, reap_session
 
     named = [name.strip() for option in args.driver for name in option.split(",") if name.strip()]
     drivers: dict[str, type[Driver]] = {}

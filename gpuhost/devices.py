@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 
@@ -100,3 +101,43 @@ def sorted_by_pci(gpus: list[GpuDevice]) -> tuple[GpuDevice, ...]:
     """Order GPUs by PCI bus id and renumber them from 0, as nvidia-smi does."""
     ordered = sorted(gpus, key=lambda gpu: gpu.pci_bus_id)
     return tuple(replace(gpu, index=i) for i, gpu in enumerate(ordered))
+
+
+def gpus_to_json(gpus: tuple[GpuDevice, ...] | list[GpuDevice]) -> str:
+    """Whole NVIDIA GPUs as a JSON list, each with its device node's minor.
+
+    What a cluster node publishes of its GPUs; ``gpus_from_json`` reads it back.
+    """
+    return json.dumps(
+        [
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "pci_bus_id": gpu.pci_bus_id,
+                "memory_mib": gpu.memory_mib,
+                "minor": gpu.minor,
+            }
+            for gpu in gpus
+        ]
+    )
+
+
+def gpus_from_json(text: str) -> tuple[GpuDevice, ...]:
+    """The GPUs of ``gpus_to_json``, each with its ``/dev/nvidia<minor>`` node."""
+    gpus = []
+    for item in json.loads(text):
+        minor = item.get("minor")
+        nodes = () if minor is None else (DeviceNode(f"/dev/nvidia{minor}", NVIDIA_MAJOR, minor),)
+        gpus.append(
+            GpuDevice(
+                index=int(item["index"]),
+                uuid=str(item["uuid"]),
+                name=str(item.get("name", "")),
+                pci_bus_id=str(item.get("pci_bus_id", "")),
+                memory_mib=item.get("memory_mib"),
+                minor=minor,
+                nodes=nodes,
+            )
+        )
+    return tuple(gpus)

@@ -47,6 +47,10 @@ DEVICE_IDS_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 CHOICE_KEYS = (MIG_PROFILE_KEY, VENDOR_KEY)
 """Keys of a driver's block that pick what counts and defaults choose among."""
+DRIVER_OPTION_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"kubernetes": ("runtime_class_name", "node_selector", "image")}
+)
+"""Keys of a driver's own block that only that driver reads (and checks)."""
 _SPEC_KEYS = frozenset({"image", "env", "resource_requirements", "driver_config"})
 
 
@@ -389,7 +393,12 @@ def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, 
     prefix = f"driver_config.{driver}"
     block = spec.driver_config.get(driver, {})
     keys = _id_keys(driver)
-    _reject_unknown_keys(prefix, block, {*keys, *CHOICE_KEYS}, InvalidDriverConfig)
+    _reject_unknown_keys(
+        prefix,
+        block,
+        {*keys, *CHOICE_KEYS, *DRIVER_OPTION_KEYS.get(driver, ())},
+        InvalidDriverConfig,
+    )
     present = [key for key in keys if key in block]
     if len(present) > 1:
         raise InvalidDriverConfig(

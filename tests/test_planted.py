@@ -67,6 +67,22 @@ def run_catalogue(
     return result, run
 
 
+def assert_fails_its_requirement(
+    pytester: pytest.Pytester, tmp_path: Path, broken: type, module: str, gpus: int, *args: str
+) -> None:
+    """The catalogue run on ``broken`` (one ``BREAKS`` requirement) fails it, and the run."""
+    __tracebackhide__ = True
+    name = f"{module}:{broken.__name__}"
+    requirement: str = broken.BREAKS  # type: ignore[attr-defined]
+    result, run = run_catalogue(
+        pytester, tmp_path, name, gpus, *args, f"--requirement={requirement}", full=False
+    )
+    explained = f"{broken.__name__} ({broken.__doc__}) breaks {requirement}: {result['tests']}"
+    assert result["matrix"][requirement][name] == "failed", explained
+    assert [test for test in result["tests"] if test["outcome"] == "failed"], explained
+    run.stdout.fnmatch_lines([f"{name}: FAIL — *{requirement}*"])
+
+
 def test_every_requirement_has_a_planted_breaker() -> None:
     required = golden_ids()
     broken = {cls.BREAKS for cls in ALL} | {cls.BREAKS for cls in broken_containers.ALL}

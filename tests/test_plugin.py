@@ -59,9 +59,11 @@ def test_explicit_driver_that_cannot_run_fails_the_run(
 
 
 def test_default_driver_that_cannot_run_is_skipped_and_the_run_fails(
-    pytester: pytest.Pytester, tmp_path: Path
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # No --sim-root and no GPU on this machine: the reference driver finds nothing to hand out.
+    # No --sim-root and no GPU on this machine: the reference driver finds nothing to hand out,
+    # and no cluster answers (the local one may be up: its kubeconfig is not the one used).
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
     result = run(pytester, f"--gpu-state-dir={tmp_path}")
     outcomes = result.parseoutcomes()
     assert outcomes.get("skipped", 0) > 0

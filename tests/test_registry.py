@@ -67,7 +67,7 @@ def test_import_path_of_an_out_of_tree_driver(write_module: WriteModule) -> None
 
 @pytest.mark.parametrize(
     "name",
-    ["nope", "", "Reference", "reference ", ":ReferenceDriver", "drivers.reference:", "kubernetes"],
+    ["nope", "", "Reference", "reference ", ":ReferenceDriver", "drivers.reference:", "k8s"],
 )
 def test_unknown_name_lists_the_known_ones(name: str) -> None:
     with pytest.raises(UnknownDriver) as raised:

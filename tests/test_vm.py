@@ -27,7 +27,7 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.simulated import pci_proxy
 from gpuhost.spec import SHARED, SandboxSpec
 from tests import broken_vms
-from tests.test_planted import golden_ids, run_catalogue
+from tests.test_planted import assert_fails_its_requirement, golden_ids, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("vm")
 RECLAIM_TIMEOUT = "--reclaim-timeout=10"
@@ -73,14 +73,7 @@ def test_catalogue_passes_the_vm_driver(pytester: pytest.Pytester, tmp_path: Pat
 def test_catalogue_fails_the_broken_vm_driver(
     pytester: pytest.Pytester, tmp_path: Path, broken: type[broken_vms.BrokenVmDriver]
 ) -> None:
-    name = f"tests.broken_vms:{broken.__name__}"
-    result, run = run_catalogue(
-        pytester, tmp_path, name, 4, RECLAIM_TIMEOUT, f"--requirement={broken.BREAKS}", full=False
-    )
-    explained = f"{broken.__name__} ({broken.__doc__}) breaks {broken.BREAKS}: {result['tests']}"
-    assert result["matrix"][broken.BREAKS][name] == "failed", explained
-    assert [test for test in result["tests"] if test["outcome"] == "failed"], explained
-    run.stdout.fnmatch_lines([f"{name}: FAIL — *{broken.BREAKS}*"])
+    assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_vms", 4, RECLAIM_TIMEOUT)
 
 
 def _nothing_taken(driver: VmDriver) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from gpuhost.devices import gpus_to_json
 from gpuhost.simulated import (
     DEFAULT_COUNT,
     DEFAULT_ROOT,
@@ -33,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         "--mig", default="", help="MIG instances, e.g. 0:7x1g.10gb,1:3x2g.20gb (GPU:NxPROFILE)"
     )
     parser.add_argument("--dri", default="", help="DRI GPUs of other vendors, e.g. intel:1,amd:2")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole NVIDIA GPUs as JSON (what a cluster node publishes of them)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "teardown":
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except SimulatedHostError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.json:
+        print(gpus_to_json(host.gpus))
+        return 0
     print(f"simulated GPU host at {host.root}: {len(host.gpus)} GPUs (CDI spec {host.cdi_spec})")
     for gpu in host.gpus:
         mode = ", MIG mode" if gpu.mig_enabled else ""

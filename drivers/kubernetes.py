@@ -1,0 +1,880 @@
+"""The kubernetes driver: a pod per sandbox, its GPUs handed out by the cluster.
+
+The request becomes the pod's ``resources.limits["nvidia.com/gpu"]`` (a default request is
+1; no request, no limit); the scheduler picks a node with that many free, and the node's
+device plugin (NVIDIA's on GPU clusters, ``gpuhost.simulated.device_plugin`` on the local
+cluster of ``make cluster``) picks the GPUs and injects them. Exact device IDs are refused
+(``UnsupportedGpuRequest``): a pod cannot name the devices it gets. The host-wide lease
+registry has no part here: the cluster owns its nodes' GPUs.
+
+What a sandbox was given is what the device plugin told the container:
+``NVIDIA_VISIBLE_DEVICES`` (the UUIDs it allocated, as NVIDIA's plugin sets them), which the
+pod prints once at start; where it holds no UUIDs (another plugin strategy), ``nvidia-smi -L``
+inside. The details of those GPUs (index, PCI address, device node) come from the node's
+``gpu-sandbox.dev/gpus`` annotation, JSON lists by resource name that ``make cluster``
+writes for its simulated GPUs and a user publishes for a real node (README: "The
+kubernetes lane");
+without it the inventory is one placeholder per allocatable GPU.
+
+Exhaustion: a pod the scheduler reports Unschedulable for ``Insufficient nvidia.com/gpu``
+becomes ``GpusExhausted`` (requested, the most free on one node, allocatable in all) and is
+deleted, unless pods being deleted would make room (the scheduler tries again once they are
+gone). A scheduler answers in a round trip: ``exhaustion_grace_s`` is 3 s. A count above
+every node's allocatable fails before any pod is made.
+
+A sandbox's processes ending (``kill``) leave the pod Failed, which neither the scheduler
+nor the kubelet count as holding GPUs. A pod belongs to the API server, not to the process
+that made it: ``reap`` (one delete by label) removes a session's pods from any process.
+
+Options, from the environment: ``KUBECONFIG`` (else ``/run/gpu-sandbox-cluster/kubeconfig``,
+the local cluster's, when it exists, else ``~/.kube/config``), ``GPU_SANDBOX_K8S_CONTEXT``,
+``GPU_SANDBOX_K8S_NAMESPACE`` (default ``gpu-sandbox``: one namespace for every session,
+its pods labelled by session: a namespace being deleted refuses new pods, and a session is
+reaped after every test), ``GPU_SANDBOX_K8S_RESOURCE`` (default ``nvidia.com/gpu``),
+``GPU_SANDBOX_K8S_START_TIMEOUT_S`` (default 120). Per sandbox, ``driver_config.kubernetes``
+takes ``runtime_class_name``, ``node_selector`` and ``image``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import yaml
+
+from drivers.base import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    Availability,
+    Driver,
+    ExecResult,
+    Launch,
+    Sandbox,
+    write_all,
+)
+from gpuhost.devices import GpuDevice, gpus_from_json
+from gpuhost.errors import (
+    DriverError,
+    ExecTimeout,
+    GpusExhausted,
+    InvalidDriverConfig,
+    SandboxExecError,
+    SandboxStartError,
+    UnknownImage,
+)
+from gpuhost.host import GpuHost
+from gpuhost.leases import Holder
+from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient, CoreV1Api
+    from kubernetes.client.configuration import Configuration
+
+LOCAL_KUBECONFIG = Path("/run/gpu-sandbox-cluster/kubeconfig")
+DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
+DEFAULT_NAMESPACE = "gpu-sandbox"
+DEFAULT_RESOURCE = "nvidia.com/gpu"
+INVENTORY_ANNOTATION = "gpu-sandbox.dev/gpus"
+"""A node's GPUs by resource name, as JSON: ``{"nvidia.com/gpu": [<gpus_to_json>]}``."""
+LABEL_PREFIX = "gpu-sandbox.dev/"
+SESSION_LABEL = LABEL_PREFIX + "session"
+SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
+DRIVER_LABEL = LABEL_PREFIX + "driver"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "gpu-sandbox"}
+
+
+START_TIMEOUT_S = 120.0
+DELETE_TIMEOUT_S = 60.0
+GRANT_LINE = "gpu-sandbox: NVIDIA_VISIBLE_DEVICES="
+# The pod's main process: it says what the device plugin gave it, then waits; SIGTERM ends
+# it at once (a pod's first process has no default handlers), and so does the death of its
+# child, so that SIGKILL of the sandbox's processes ends the pod as a crash would.
+MAIN_SCRIPT = (
+    f'echo "{GRANT_LINE}${{NVIDIA_VISIBLE_DEVICES-}}"; trap "exit 0" TERM; '
+    "while :; do sleep 86400 & wait $! || exit 137; done"
+)
+# Kills, inside the pod, every process that carries an exec's marker (``$1``), until none
+# is left: the API has no call to stop an exec, and what it started may have left its
+# process group. Busybox and coreutils images alike have tr, grep and kill.
+KILL_MARKED_SCRIPT = (
+    "n=0; while :; do found=; for p in /proc/[0-9]*; do "
+    'tr "\\0" "\\n" < "$p/environ" 2>/dev/null | grep -qxF "$1" && '
+    '{ kill -9 "${p#/proc/}" 2>/dev/null; found=1; }; done; '
+    '[ -z "$found" ] && exit 0; n=$((n+1)); [ "$n" -ge 100 ] && exit 1; sleep 0.05; done'
+)
+_IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName")
+_START_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where the driver found its cluster: for probe() and reports."""
+
+    kubeconfig: str
+    context: str
+
+
+def find_kubeconfig() -> Path | None:
+    """``KUBECONFIG`` (its first file), the local cluster's, or ``~/.kube/config``."""
+    if os.environ.get("KUBECONFIG"):
+        return Path(os.environ["KUBECONFIG"].split(os.pathsep)[0])
+    if LOCAL_KUBECONFIG.exists():
+        return LOCAL_KUBECONFIG
+    default = Path.home() / ".kube" / "config"
+    return default if default.exists() else None
+
+
+def pod_manifest(
+    *,
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    image: str,
+    env: Mapping[str, str],
+    resource: str,
+    gpus: int,
+    runtime_class_name: str | None = None,
+    node_selector: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The pod of one sandbox, as the API takes it.
+
+    No service account token, no service links, no privilege, no host namespaces; the GPU
+    limit only when GPUs are asked for (extended resources are requested by their limit).
+    """
+    container: dict[str, Any] = {
+        "name": "sandbox",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["sh", "-c", MAIN_SCRIPT],
+        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
+        "securityContext": {"privileged": False, "allowPrivilegeEscalation": False},
+    }
+    if gpus:
+        container["resources"] = {"limits": {resource: str(gpus)}}
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+    }
+    if runtime_class_name:
+        spec["runtimeClassName"] = runtime_class_name
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": spec,
+    }
+
+
+def pod_gpu_request(pod: Mapping[str, Any], resource: str) -> int:
+    """The GPUs a pod (as the API returns it, a dict) asks for: its containers' limits."""
+    total = 0
+    for container in pod.get("spec", {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        amount = (resources.get("limits") or {}).get(resource) or (
+            resources.get("requests") or {}
+        ).get(resource)
+        total += int(amount or 0)
+    return total
+
+
+def free_gpus(
+    nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], resource: str
+) -> tuple[int, int, int]:
+    """(most free on one node, most free once deleting pods are gone, allocatable in all).
+
+    Pods bound to a node and not finished hold their GPUs; a finished pod (Succeeded,
+    Failed) holds none, as the scheduler and the kubelet count them.
+    """
+    held: dict[str, int] = {}
+    leaving: dict[str, int] = {}
+    for pod in pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if not node or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        amount = pod_gpu_request(pod, resource)
+        held[node] = held.get(node, 0) + amount
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            leaving[node] = leaving.get(node, 0) + amount
+    total = free_now = free_later = 0
+    for node in nodes:
+        name = node["metadata"]["name"]
+        allocatable = int((node.get("status", {}).get("allocatable") or {}).get(resource) or 0)
+        total += allocatable
+        free_now = max(free_now, allocatable - held.get(name, 0))
+        free_later = max(free_later, allocatable - held.get(name, 0) + leaving.get(name, 0))
+    return max(free_now, 0), max(free_later, 0), total
+
+
+def exit_status(error_channel: str) -> int | None:
+    """The exit code the API's exec stream reports on its error channel; None if none."""
+    if not error_channel.strip():
+        return None
+    status = yaml.safe_load(error_channel)
+    if status.get("status") == "Success":
+        return 0
+    for cause in (status.get("details") or {}).get("causes") or []:
+        if cause.get("reason") == "ExitCode":
+            return int(cause["message"])
+    raise SandboxExecError(f"the API server could not run the command: {status.get('message')}")
+
+
+def granted_uuids(log: str) -> list[str] | None:
+    """The UUIDs the pod printed at start (``GRANT_LINE``); None while it has not."""
+    for line in log.splitlines():
+        if line.startswith(GRANT_LINE):
+            value = line[len(GRANT_LINE) :].strip()
+            return [item for item in value.split(",") if item.startswith(("GPU-", "MIG-"))]
+    return None
+
+
+class KubernetesSandbox(Sandbox):
+    def __init__(
+        self,
+        sandbox_id: str,
+        gpus: tuple[GpuDevice, ...],
+        pod_name: str,
+        driver: KubernetesDriver,
+    ) -> None:
+        super().__init__(sandbox_id, driver.name, gpus, Holder.process(os.getpid()), None)
+        self.pod_name = pod_name
+        self._driver = driver
+
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        stdout: list[bytes] = []
+        stderr: list[bytes] = []
+        returncode = self._driver.exec_in(
+            self.pod_name, argv, timeout, stdout.append, stderr.append
+        )
+        return ExecResult(
+            tuple(argv),
+            returncode,
+            b"".join(stdout).decode(errors="replace"),
+            b"".join(stderr).decode(errors="replace"),
+        )
+
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        return self._driver.exec_in(
+            self.pod_name,
+            argv,
+            timeout,
+            lambda data: write_all(stdout, data),
+            lambda data: write_all(stderr, data),
+        )
+
+    def stop(self) -> None:
+        self._driver.delete_pods([self.pod_name])
+
+    def kill(self) -> None:
+        self._driver.kill_processes(self.pod_name)
+
+
+def _ignore(_: bytes) -> None:
+    pass
+
+
+class KubernetesDriver(Driver):
+    name = "kubernetes"
+    exhaustion_grace_s = 3.0
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        super().__init__(host, session_id, image)
+        self.namespace = os.environ.get("GPU_SANDBOX_K8S_NAMESPACE") or DEFAULT_NAMESPACE
+        self.resource = os.environ.get("GPU_SANDBOX_K8S_RESOURCE") or DEFAULT_RESOURCE
+        self.start_timeout_s = _env_float("GPU_SANDBOX_K8S_START_TIMEOUT_S", START_TIMEOUT_S)
+        self._namespace_ready = threading.Lock()
+        self._namespace_made = False
+
+    # -- the cluster ---------------------------------------------------------------------
+
+    @functools.cached_property
+    def cluster(self) -> Cluster:
+        from kubernetes import config
+
+        path = find_kubeconfig()
+        if path is None:
+            raise FileNotFoundError(
+                f"no kubeconfig: KUBECONFIG is unset, and neither {LOCAL_KUBECONFIG} nor "
+                "~/.kube/config exists"
+            )
+        contexts, active = config.list_kube_config_contexts(config_file=str(path))  # type: ignore[no-untyped-call]
+        wanted = os.environ.get("GPU_SANDBOX_K8S_CONTEXT") or (active or {}).get("name", "")
+        if contexts and wanted not in {c["name"] for c in contexts}:
+            raise LookupError(f"{path} has no context {wanted!r}")
+        return Cluster(str(path), wanted)
+
+    @functools.cached_property
+    def configuration(self) -> Configuration:
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=self.cluster.kubeconfig,
+            context=self.cluster.context or None,
+            client_configuration=configuration,
+        )
+        # Concurrent creates (the catalogue's threads) each hold a connection.
+        configuration.connection_pool_maxsize = 64
+        return configuration
+
+    def api_client(self) -> ApiClient:
+        from kubernetes import client
+
+        return client.ApiClient(self.configuration)
+
+    @functools.cached_property
+    def core(self) -> CoreV1Api:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client())
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(_json(self.core.list_node(_preload_content=False))["items"])
+
+    def pods(self) -> list[dict[str, Any]]:
+        pods = self.core.list_pod_for_all_namespaces(_preload_content=False)
+        return list(_json(pods)["items"])
+
+    def session_pods(self, session_id: str) -> list[dict[str, Any]]:
+        pods = self.core.list_namespaced_pod(
+            self.namespace,
+            label_selector=f"{SESSION_LABEL}={session_id},{DRIVER_LABEL}={self.name}",
+            _preload_content=False,
+        )
+        return list(_json(pods)["items"])
+
+    # -- the contract --------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return DriverCapabilities(
+            max_gpus_per_sandbox=self._largest_node,
+            exact_ids=False,
+            exact_id_forms="none: a pod gets the GPUs its node's device plugin picks",
+        )
+
+    @functools.cached_property
+    def _largest_node(self) -> int:
+        try:
+            counts = [self._allocatable(node) for node in self.nodes()]
+        except Exception:  # a cluster that does not answer: probe() says why
+            return 8
+        return max(counts, default=0) or 8
+
+    def _allocatable(self, node: Mapping[str, Any]) -> int:
+        return int((node.get("status", {}).get("allocatable") or {}).get(self.resource) or 0)
+
+    def probe(self) -> Availability:
+        try:
+            cluster = self.cluster
+            version = self._server_version()
+            nodes = self.nodes()
+        except Exception as exc:  # config errors, connection errors, API errors
+            return Availability(
+                False,
+                f"needed a Kubernetes cluster answering through KUBECONFIG, {LOCAL_KUBECONFIG} "
+                f"or ~/.kube/config (found: {type(exc).__name__}: {exc}); start the local one "
+                "with `make cluster`, or point KUBECONFIG at yours",
+            )
+        with_gpus = [node["metadata"]["name"] for node in nodes if self._allocatable(node)]
+        where = f"{cluster.kubeconfig} (context {cluster.context or 'none'}, server {version})"
+        if not with_gpus:
+            return Availability(
+                False,
+                f"needed a node with allocatable {self.resource} in the cluster of {where} "
+                f"(found {len(nodes)} nodes, none with it: is the device plugin running?)",
+            )
+        return Availability(True, f"{where}: {self.resource} on {', '.join(with_gpus)}")
+
+    def _server_version(self) -> str:
+        from kubernetes import client
+
+        return str(client.VersionApi(self.api_client()).get_code().git_version)
+
+    def version(self) -> str:
+        nodes = self.nodes()
+        runtimes = sorted(
+            {
+                f"{n['status']['nodeInfo']['kubeletVersion']} kubelet, "
+                f"{n['status']['nodeInfo']['containerRuntimeVersion']}"
+                for n in nodes
+            }
+        )
+        return f"kubernetes {self._server_version()} ({'; '.join(runtimes)})"
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        """The GPUs of every node with allocatable GPUs, from its annotation when it has one."""
+        gpus: list[GpuDevice] = []
+        for node in self.nodes():
+            count = self._allocatable(node)
+            if not count:
+                continue
+            name = node["metadata"]["name"]
+            published = json.loads(
+                (node["metadata"].get("annotations") or {}).get(INVENTORY_ANNOTATION) or "{}"
+            )
+            if self.resource in published:
+                gpus.extend(gpus_from_json(json.dumps(published[self.resource])))
+            else:
+                gpus.extend(
+                    GpuDevice(index=i, uuid=f"{name}/{self.resource}/{i}", name=name, pci_bus_id="")
+                    for i in range(count)
+                )
+        return tuple(gpus)
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """The device plugin's ID of the GPU (its UUID): never accepted in a request."""
+        return (gpu.uuid,)
+
+    def device_ids_offline(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """None: listings show the IDs a request may name, and a pod names none."""
+        return ()
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        self._check_options(spec.driver_config.get(self.name, {}))
+        return super().plan(spec)
+
+    def _check_options(self, block: Mapping[str, Any]) -> None:
+        prefix = f"driver_config.{self.name}"
+        for key in ("runtime_class_name", "image"):
+            value = block.get(key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidDriverConfig(
+                    f"{prefix}.{key}",
+                    value,
+                    f"{prefix}.{key} must be a non-empty string, got {value!r}",
+                )
+        selector = block.get("node_selector")
+        if selector is not None and not (
+            isinstance(selector, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items())
+        ):
+            raise InvalidDriverConfig(
+                f"{prefix}.node_selector",
+                selector,
+                f"{prefix}.node_selector must map label names to strings, got {selector!r}",
+            )
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        """Nothing here: the scheduler and the node's device plugin allocate."""
+        return ()
+
+    def start(self, launch: Launch) -> Sandbox:
+        count = 0 if launch.plan is None else launch.plan.count
+        if count:
+            self._refuse_more_than_any_node(count)
+        block = launch.spec.driver_config.get(self.name, {})
+        image = block.get("image") or launch.spec.image or self.image or DEFAULT_IMAGE
+        name = f"gpu-sandbox-{launch.sandbox_id}"
+        manifest = pod_manifest(
+            name=name,
+            namespace=self.namespace,
+            labels={
+                **MANAGED_BY,
+                SESSION_LABEL: self.session_id,
+                SANDBOX_LABEL: launch.sandbox_id,
+                DRIVER_LABEL: self.name,
+            },
+            image=str(image),
+            env=launch.env,
+            resource=self.resource,
+            gpus=count,
+            runtime_class_name=block.get("runtime_class_name"),
+            node_selector=block.get("node_selector"),
+        )
+        try:
+            self._ensure_namespace()
+            self.core.create_namespaced_pod(self.namespace, cast(Any, manifest))
+        except Exception as exc:  # the API's refusal, or no API at all
+            raise SandboxStartError(
+                f"cannot create pod {self.namespace}/{name}: {_said(exc)}"
+            ) from exc
+        try:
+            self._wait_running(name, count, str(image))
+            uuids = self._granted(name, count)
+            gpus = self._devices(uuids)
+        except DriverError:
+            self.delete_pods([name])
+            raise
+        except BaseException as exc:
+            self.delete_pods([name])
+            if isinstance(exc, Exception):
+                raise SandboxStartError(
+                    f"pod {self.namespace}/{name} did not start: {_said(exc)}"
+                ) from exc
+            raise
+        return KubernetesSandbox(launch.sandbox_id, gpus, name, self)
+
+    def _refuse_more_than_any_node(self, count: int) -> None:
+        nodes = self.nodes()
+        if count > max((self._allocatable(node) for node in nodes), default=0):
+            free, _, total = free_gpus(nodes, self.pods(), self.resource)
+            raise GpusExhausted(
+                count,
+                free,
+                total,
+                f"no node has {count} allocatable {self.resource}; the cluster has {total} in all",
+            )
+
+    def _ensure_namespace(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        with self._namespace_ready:
+            if self._namespace_made:
+                return
+            try:
+                self.core.create_namespace(
+                    cast(Any, {"metadata": {"name": self.namespace, "labels": dict(MANAGED_BY)}})
+                )
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            self._deny_network()
+            self._namespace_made = True
+
+    def _deny_network(self) -> None:
+        """No traffic in or out of the sandboxes, where the cluster's network enforces it."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        policy = {
+            "metadata": {"name": "gpu-sandbox-deny-all", "labels": dict(MANAGED_BY)},
+            "spec": {
+                "podSelector": {"matchLabels": dict(MANAGED_BY)},
+                "policyTypes": ["Ingress", "Egress"],
+            },
+        }
+        try:
+            client.NetworkingV1Api(self.api_client()).create_namespaced_network_policy(
+                self.namespace, cast(Any, policy)
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+    def _wait_running(self, name: str, count: int, image: str) -> None:
+        from kubernetes import watch
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SandboxStartError(
+                    f"pod {self.namespace}/{name} was not Running after {self.start_timeout_s:g} s "
+                    f"(GPU_SANDBOX_K8S_START_TIMEOUT_S): {self._describe(name)}"
+                )
+            stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
+                self.core.list_namespaced_pod,
+                self.namespace,
+                field_selector=f"metadata.name={name}",
+                timeout_seconds=max(1, int(min(left, 30))),
+                _request_timeout=min(left, 30) + 5,
+            )
+            for event in stream:
+                if self._judge(event["raw_object"], count, image):
+                    return
+
+    def _judge(self, pod: Mapping[str, Any], count: int, image: str) -> bool:
+        """True once ``pod`` (the API's JSON) runs; the typed error of a pod that never will."""
+        status = pod.get("status") or {}
+        name = pod["metadata"]["name"]
+        phase = status.get("phase")
+        if phase == "Running":
+            return True
+        if phase in ("Failed", "Succeeded"):
+            why = f"{status.get('reason') or ''} {status.get('message') or ''}".strip()
+            if self.resource in why:  # the kubelet's device manager refused it (admission)
+                free, _, total = free_gpus(self.nodes(), self.pods(), self.resource)
+                raise GpusExhausted(count, free, total, why)
+            raise SandboxStartError(
+                f"pod {self.namespace}/{name} ended before it ran ({phase}): "
+                f"{why or self._describe(name)}"
+            )
+        for condition in status.get("conditions") or []:
+            if (
+                condition.get("type") == "PodScheduled"
+                and condition.get("status") == "False"
+                and condition.get("reason") == "Unschedulable"
+                and f"Insufficient {self.resource}" in (condition.get("message") or "")
+            ):
+                free, free_later, total = free_gpus(self.nodes(), self.pods(), self.resource)
+                if free_later < count:
+                    raise GpusExhausted(count, free, total, condition.get("message") or "")
+        for container in status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason, message = waiting.get("reason"), waiting.get("message") or ""
+            if reason in _IMAGE_ERRORS:
+                raise UnknownImage(
+                    "image",
+                    image,
+                    f"the cluster cannot get the image {image!r} for pod {self.namespace}/{name}: "
+                    f"{reason}: {message}",
+                )
+            if reason in _START_ERRORS:
+                raise SandboxStartError(
+                    f"pod {self.namespace}/{name} cannot start: {reason}: {message}"
+                )
+        return False
+
+    def _describe(self, name: str) -> str:
+        """The pod's phase and conditions and its latest events, for a start that failed."""
+        try:
+            pod = _json(self.core.read_namespaced_pod(name, self.namespace, _preload_content=False))
+            status = pod.get("status") or {}
+            conditions = "; ".join(
+                f"{c['type']}={c['status']}"
+                + (f" ({c.get('reason')}: {c.get('message')})" if c.get("reason") else "")
+                for c in status.get("conditions") or []
+            )
+            events = _json(
+                self.core.list_namespaced_event(
+                    self.namespace,
+                    field_selector=f"involvedObject.name={name}",
+                    _preload_content=False,
+                )
+            )["items"]
+            latest = sorted(
+                events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or "")
+            )[-5:]
+            said = " | ".join(f"{e.get('reason')}: {e.get('message')}" for e in latest)
+        except Exception as exc:  # the description is best effort
+            return f"(cannot describe the pod: {exc})"
+        return (
+            f"phase {status.get('phase')}; conditions: {conditions or 'none'}; "
+            f"events: {said or 'none'}"
+        )
+
+    def _granted(self, name: str, count: int) -> list[str]:
+        """The UUIDs the device plugin gave the pod, as it printed them at start."""
+        if not count:
+            return []
+        deadline = time.monotonic() + 10
+        while True:
+            log = self.core.read_namespaced_pod_log(name, self.namespace, container="sandbox")
+            uuids = granted_uuids(log)
+            if uuids is not None:
+                break
+            if time.monotonic() > deadline:
+                raise SandboxStartError(f"pod {self.namespace}/{name} printed nothing: {log!r}")
+            time.sleep(0.05)
+        if uuids:
+            return uuids
+        # Another device plugin strategy (volume mounts, CDI): ask nvidia-smi inside.
+        out: list[bytes] = []
+        self.exec_in(name, ["nvidia-smi", "-L"], 60.0, out.append, _ignore)
+        text = b"".join(out).decode()
+        return [
+            line.split("UUID: ")[1].rstrip(")").strip()
+            for line in text.splitlines()
+            if "UUID: " in line
+        ]
+
+    def _devices(self, uuids: Sequence[str]) -> tuple[GpuDevice, ...]:
+        known = {gpu.uuid: gpu for gpu in self.inventory()}
+        return tuple(
+            known.get(uuid) or GpuDevice(index=-1, uuid=uuid, name="", pci_bus_id="")
+            for uuid in uuids
+        )
+
+    def sandboxes(self, session_id: str) -> list[str]:
+        """The session's pods that still run or may: a finished pod is no sandbox any more."""
+        return sorted(
+            pod["metadata"]["labels"][SANDBOX_LABEL]
+            for pod in self.session_pods(session_id)
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
+
+    def reap(self, session_id: str) -> list[str]:
+        pods = self.session_pods(session_id)
+        if pods:
+            self.delete_pods([pod["metadata"]["name"] for pod in pods])
+        return sorted(pod["metadata"]["labels"][SANDBOX_LABEL] for pod in pods)
+
+    def kill_processes(self, pod_name: str) -> None:
+        """SIGKILL every process in the pod but its first, which then ends as its child did.
+
+        What is left is a pod whose processes are all gone, Failed once the kubelet sees it.
+        """
+        with contextlib.suppress(SandboxExecError):  # a pod already ended has none
+            self.exec_in(pod_name, ["sh", "-c", "kill -9 -1"], 30.0, _ignore, _ignore)
+
+    def delete_pods(self, names: Sequence[str]) -> None:
+        """End pods' processes, delete them, and return once the API server no longer has them.
+
+        Their processes are killed first (from inside, ``kill -9 -1``, which ends the pod's
+        first process too): then nothing of them can hold a GPU, and the delete needs no
+        grace period, which would make the kubelet's housekeeping (every 2 s) the one to
+        confirm it. Once a pod is gone from the API, the scheduler and the kubelet's device
+        manager give its GPUs to the next pod.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        if len(names) > 1:
+            with ThreadPoolExecutor(min(len(names), 16)) as pool:
+                list(pool.map(self.kill_processes, names))
+        elif names:
+            self.kill_processes(names[0])
+        for name in names:
+            try:
+                self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        wanted = set(names)
+        self._wait_gone(lambda: [p["metadata"]["name"] for p in self.pods_named(wanted)])
+
+    def pods_named(self, names: set[str]) -> list[dict[str, Any]]:
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{DRIVER_LABEL}={self.name}", _preload_content=False
+        )
+        return [pod for pod in _json(pods)["items"] if pod["metadata"]["name"] in names]
+
+    def _wait_gone(self, left: Callable[[], list[str]]) -> None:
+        deadline = time.monotonic() + DELETE_TIMEOUT_S
+        while remaining := left():
+            if time.monotonic() > deadline:
+                raise SandboxStartError(
+                    f"pods {remaining} of {self.namespace} were still there {DELETE_TIMEOUT_S:g} s "
+                    "after their delete"
+                )
+            time.sleep(0.05)
+
+    # -- exec ----------------------------------------------------------------------------
+
+    def exec_in(
+        self,
+        pod_name: str,
+        argv: Sequence[str],
+        timeout: float,
+        on_stdout: Callable[[bytes], None],
+        on_stderr: Callable[[bytes], None],
+    ) -> int:
+        """Run ``argv`` in the pod through the API's exec stream; its exit code.
+
+        At ``timeout`` every process the command started (those carrying its marker) is
+        killed from a second exec, and ``ExecTimeout`` raised.
+        """
+        if not argv:
+            raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
+        marker, needle = exec_marker()
+        # The marker set by the image's shell, which reports a missing program as "not found".
+        command = [
+            "sh",
+            "-c",
+            f'{EXEC_MARKER_ENV}={marker}; export {EXEC_MARKER_ENV}; exec "$@"',
+            "sh",
+            *argv,
+        ]
+        socket = self._open_exec(pod_name, command, argv)
+        deadline = time.monotonic() + timeout
+        try:
+            while socket.is_open():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._kill_marked(pod_name, needle.decode())
+                    raise ExecTimeout(argv, timeout)
+                socket.update(timeout=min(left, 1.0))
+                self._drain(socket, on_stdout, on_stderr)
+            self._drain(socket, on_stdout, on_stderr)
+            returncode = exit_status(_text(socket.read_channel(3)))
+        finally:
+            socket.close()
+        if returncode is None:
+            raise SandboxExecError(
+                f"the exec stream of {list(argv)!r} in pod {self.namespace}/{pod_name} ended "
+                "without an exit status"
+            )
+        return returncode
+
+    def _open_exec(self, pod_name: str, command: Sequence[str], argv: Sequence[str]) -> Any:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.stream import stream
+
+        # ``stream`` swaps its API client's transport while it opens: one client per exec.
+        core = client.CoreV1Api(self.api_client())
+        try:
+            return stream(
+                core.connect_get_namespaced_pod_exec,
+                pod_name,
+                self.namespace,
+                container="sandbox",
+                command=list(command),
+                stdin=False,
+                stdout=True,
+                stderr=True,
+                tty=False,
+                binary=True,
+                _preload_content=False,
+            )
+        except ApiException as exc:
+            raise SandboxExecError(
+                f"cannot run {list(argv)!r} in pod {self.namespace}/{pod_name}: {exc.status} "
+                f"{exc.reason}: {exc.body!r}"
+            ) from exc
+        except Exception as exc:  # websocket errors of every kind
+            raise SandboxExecError(
+                f"cannot run {list(argv)!r} in pod {self.namespace}/{pod_name}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    @staticmethod
+    def _drain(
+        socket: Any, on_stdout: Callable[[bytes], None], on_stderr: Callable[[bytes], None]
+    ) -> None:
+        if data := socket.read_channel(1):
+            on_stdout(data)
+        if data := socket.read_channel(2):
+            on_stderr(data)
+
+    def _kill_marked(self, pod_name: str, needle: str) -> None:
+        socket = self._open_exec(pod_name, ["sh", "-c", KILL_MARKED_SCRIPT, "sh", needle], ["kill"])
+        try:
+            socket.run_forever(timeout=15)
+        finally:
+            socket.close()
+
+
+def _text(data: bytes | str) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def _json(response: object) -> Any:
+    """The JSON body of a call made with ``_preload_content=False`` (no model objects)."""
+    return json.loads(cast(Any, response).data)
+
+
+def _said(exc: Exception) -> str:
+    """What the API server (or the connection to it) said, in one line."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(exc, ApiException):
+        try:
+            message = json.loads(exc.body or "{}").get("message")
+        except ValueError:
+            message = None
+        return f"{exc.status} {exc.reason}: {message or exc.body}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,78 @@
+"""Planted broken kubernetes drivers: the kubernetes driver with one defect each.
+
+``BREAKS`` names the requirement the catalogue must fail for each; tests/test_kubernetes.py
+runs those requirements against every one of them on the local cluster (``make cluster``).
+``LeakyDevicePlugin`` is a healthy driver in front of a broken device plugin: the cluster
+runs one (``gpu-sandbox.test/leaky-gpu``) that injects every GPU's node into each pod, so
+the catalogue must catch a leak on the kubelet's path too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from drivers.base import Launch, Sandbox
+from drivers.kubernetes import KubernetesDriver
+from gpuhost.host import GpuHost
+from gpuhost.spec import DEVICE_IDS_KEY, GpuPlan, SandboxSpec
+
+LEAKY_RESOURCE = "gpu-sandbox.test/leaky-gpu"
+
+
+class BrokenPodDriver(KubernetesDriver):
+    BREAKS: ClassVar[str]
+
+
+class DeviceIdsIgnored(BrokenPodDriver):
+    """Exact device IDs are dropped from the request instead of refused: a default GPU."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = {k: v for k, v in spec.driver_config.get(self.name, {}).items()}
+        block.pop(DEVICE_IDS_KEY, None)
+        config = {**spec.driver_config, self.name: block}
+        return super().plan(SandboxSpec(spec.image, spec.env, spec.gpu, config))
+
+
+class PendingReportedAsSuccess(BrokenPodDriver):
+    """A pod is a sandbox as soon as it exists: a Pending pod (no GPU free) is a success."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def _judge(self, pod: Mapping[str, Any], count: int, image: str) -> bool:
+        return True
+
+    def _granted(self, name: str, count: int) -> list[str]:
+        try:
+            return super()._granted(name, count)
+        except Exception:  # a pod that never started printed nothing
+            return []
+
+
+class GpuLimitDropped(BrokenPodDriver):
+    """The pod is made without its ``nvidia.com/gpu`` limit: it runs, with no GPU."""
+
+    BREAKS = "GPU-DEFAULT-01"
+
+    def start(self, launch: Launch) -> Sandbox:
+        return super().start(Launch(launch.sandbox_id, launch.spec, None, (), launch.hand_over))
+
+
+class LeakyDevicePlugin(BrokenPodDriver):
+    """Pods get their GPUs from a device plugin that injects every GPU's device node."""
+
+    BREAKS = "GPU-ISOLATION-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        super().__init__(host, session_id, image)
+        self.resource = LEAKY_RESOURCE
+
+
+ALL: tuple[type[BrokenPodDriver], ...] = (
+    DeviceIdsIgnored,
+    PendingReportedAsSuccess,
+    GpuLimitDropped,
+    LeakyDevicePlugin,
+)
