@@ -307,6 +307,7 @@ class KubernetesDriver(Driver):
         self.start_timeout_s = _env_float("GPU_SANDBOX_K8S_START_TIMEOUT_S", START_TIMEOUT_S)
         self._namespace_ready = threading.Lock()
         self._namespace_made = False
+        self._known_gpus: dict[str, GpuDevice] = {}
 
     # -- the cluster ---------------------------------------------------------------------
 
@@ -507,7 +508,9 @@ class KubernetesDriver(Driver):
         )
         try:
             self._ensure_namespace()
-            self.core.create_namespaced_pod(self.namespace, cast(Any, manifest))
+            self.core.create_namespaced_pod(
+                self.namespace, cast(Any, manifest), _preload_content=False
+            )
         except Exception as exc:  # the API's refusal, or no API at all
             raise SandboxStartError(
                 f"cannot create pod {self.namespace}/{name}: {_said(exc)}"
@@ -529,6 +532,8 @@ class KubernetesDriver(Driver):
         return KubernetesSandbox(launch.sandbox_id, gpus, name, self)
 
     def _refuse_more_than_any_node(self, count: int) -> None:
+        if count <= self._largest_node:
+            return
         nodes = self.nodes()
         if count > max((self._allocatable(node) for node in nodes), default=0):
             free, _, total = free_gpus(nodes, self.pods(), self.resource)
@@ -576,7 +581,8 @@ class KubernetesDriver(Driver):
                 raise
 
     def _wait_running(self, name: str, count: int, image: str) -> None:
-        from kubernetes import watch
+        """Watch the pod (the API's JSON, not the client's models) until ``_judge`` decides."""
+        from kubernetes.watch.watch import iter_resp_lines
 
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -586,16 +592,23 @@ class KubernetesDriver(Driver):
                     f"pod {self.namespace}/{name} was not Running after {self.start_timeout_s:g} s "
                     f"(GPU_SANDBOX_K8S_START_TIMEOUT_S): {self._describe(name)}"
                 )
-            stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
-                self.core.list_namespaced_pod,
+            response: Any = self.core.list_namespaced_pod(
                 self.namespace,
                 field_selector=f"metadata.name={name}",
+                watch=True,
                 timeout_seconds=max(1, int(min(left, 30))),
                 _request_timeout=min(left, 30) + 5,
+                _preload_content=False,
             )
-            for event in stream:
-                if self._judge(event["raw_object"], count, image):
-                    return
+            try:
+                for line in iter_resp_lines(response):  # type: ignore[no-untyped-call]
+                    event = json.loads(line)
+                    if event.get("type") in ("ADDED", "MODIFIED") and self._judge(
+                        event["object"], count, image
+                    ):
+                        return
+            finally:
+                response.release_conn()
 
     def _judge(self, pod: Mapping[str, Any], count: int, image: str) -> bool:
         """True once ``pod`` (the API's JSON) runs; the typed error of a pod that never will."""
@@ -693,7 +706,10 @@ class KubernetesDriver(Driver):
         ]
 
     def _devices(self, uuids: Sequence[str]) -> tuple[GpuDevice, ...]:
-        known = {gpu.uuid: gpu for gpu in self.inventory()}
+        """The granted GPUs as the nodes publish them (read again for a UUID not known yet)."""
+        known = self._known_gpus
+        if not set(uuids) <= known.keys():
+            known = self._known_gpus = {gpu.uuid: gpu for gpu in self.inventory()}
         return tuple(
             known.get(uuid) or GpuDevice(index=-1, uuid=uuid, name="", pci_bus_id="")
             for uuid in uuids
@@ -739,7 +755,9 @@ class KubernetesDriver(Driver):
             self.kill_processes(names[0])
         for name in names:
             try:
-                self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+                self.core.delete_namespaced_pod(
+                    name, self.namespace, grace_period_seconds=0, _preload_content=False
+                )
             except ApiException as exc:
                 if exc.status != 404:
                     raise
