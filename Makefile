@@ -154,7 +154,7 @@ test: venv host-packages test-packages lint vm-image
 
 # `make test` again and again (fresh clones, CI=true) beside CPU hogs and a conformance loop
 # against the engines; reports pass counts and the tests that failed, by name.
-test-stress: venv host-packages test-packages engines
+test-stress: venv host-packages test-packages engines cluster
 	$(BIN)/python -m bench.stress $(STRESS_ARGS)
 
 bench: venv host-packages

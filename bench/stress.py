@@ -6,7 +6,9 @@ by a loop of conformance runs against the container engines, each on a simulated
 its own (``--sim-gpus``). It reports how many runs passed, the tests that failed, by name
 and count, and how many of the loop's runs passed, and exits non-zero when any run failed.
 
-The engines must already run (``make engines``); the loop is left out without them.
+The engines must already run (``make engines``); the loop is left out without them. So must
+the local cluster (``make cluster``): a ``make test`` stops the engines and the cluster it
+started itself, and runs side by side must not stop what the others still use.
 """
 
 from __future__ import annotations

@@ -89,8 +89,11 @@ class VfioBinder:
         )
 
     def driver_of(self, bdf: str) -> str | None:
-        link = self._device(bdf) / "driver"
-        return Path(os.readlink(link)).name if link.is_symlink() else None
+        # Read the link once: a driver being unbound or bound removes it at any moment.
+        try:
+            return Path(os.readlink(self._device(bdf) / "driver")).name
+        except OSError:
+            return None
 
     # -- claiming and giving back ---------------------------------------------------------
 
