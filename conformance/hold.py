@@ -10,6 +10,7 @@ JSON object per line: it waits for a line on stdin (``go``), creates the sandbox
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -20,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from conformance.observe import visible_gpu_uuids
+from conformance.observe import describe_gpus, visible_gpu_uuids
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from gpuhost.errors import DriverError
@@ -168,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         except (AssertionError, DriverError) as exc:  # reported, and judged by the caller
             visible = [f"(nvidia-smi failed: {exc})"]
         gpus = [gpu.uuid for gpu in sandbox.gpus]
-        _reply({"ok": True, "sandbox": sandbox.id, "gpus": gpus, "visible": visible})
+        reply = {"ok": True, "sandbox": sandbox.id, "gpus": gpus, "visible": visible}
+        if sorted(visible) != sorted(gpus):
+            # What the caller's failure message needs: the nodes and nvidia-smi's own words.
+            with contextlib.suppress(DriverError):
+                reply["seen"] = describe_gpus(sandbox)
+        _reply(reply)
         sys.stdin.read()
     return 0
 

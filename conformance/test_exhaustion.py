@@ -152,7 +152,7 @@ def test_concurrent_creates_from_processes_never_share(driver: Driver, settings:
         if reply["ok"]:
             assert sorted(reply["visible"]) == sorted(reply["gpus"]), (
                 f"sandbox {reply['sandbox']} was given {reply['gpus']}; nvidia-smi inside lists "
-                f"{reply['visible']}"
+                f"{reply['visible']}; inside: {reply.get('seen', '?')}"
             )
     errors: list[BaseException] = [
         GpusExhausted(1, 0, total) if reply["error"] == "GpusExhausted" else RuntimeError(reply)
