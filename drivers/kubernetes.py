@@ -74,6 +74,7 @@ from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
 from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.wait import wait_for
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient, CoreV1Api
@@ -94,6 +95,8 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "gpu-sandbox"}
 
 START_TIMEOUT_S = 120.0
 DELETE_TIMEOUT_S = 60.0
+GRANT_TIMEOUT_S = 10.0
+"""A running pod has printed its first line within milliseconds; seconds mean it cannot."""
 GRANT_LINE = "gpu-sandbox: NVIDIA_VISIBLE_DEVICES="
 # The pod's main process: it says what the device plugin gave it, then waits; SIGTERM ends
 # it at once (a pod's first process has no default handlers), and so does the death of its
@@ -684,15 +687,15 @@ class KubernetesDriver(Driver):
         """The UUIDs the device plugin gave the pod, as it printed them at start."""
         if not count:
             return []
-        deadline = time.monotonic() + 10
-        while True:
-            log = self.core.read_namespaced_pod_log(name, self.namespace, container="sandbox")
-            uuids = granted_uuids(log)
-            if uuids is not None:
-                break
-            if time.monotonic() > deadline:
-                raise SandboxStartError(f"pod {self.namespace}/{name} printed nothing: {log!r}")
-            time.sleep(0.05)
+        uuids = wait_for(
+            lambda: granted_uuids(
+                self.core.read_namespaced_pod_log(name, self.namespace, container="sandbox")
+            ),
+            lambda found: found is not None,
+            timeout_s=GRANT_TIMEOUT_S,
+            what=f"pod {self.namespace}/{name} to say which GPUs it was given",
+            hint=f"see its log: kubectl logs -n {self.namespace} {name}",
+        )
         if uuids:
             return uuids
         # Another device plugin strategy (volume mounts, CDI): ask nvidia-smi inside.
@@ -762,23 +765,19 @@ class KubernetesDriver(Driver):
                 if exc.status != 404:
                     raise
         wanted = set(names)
-        self._wait_gone(lambda: [p["metadata"]["name"] for p in self.pods_named(wanted)])
+        wait_for(
+            lambda: [p["metadata"]["name"] for p in self.pods_named(wanted)],
+            lambda left: not left,
+            timeout_s=DELETE_TIMEOUT_S,
+            what=f"the API server to remove pods {sorted(wanted)} of {self.namespace}",
+            hint=f"see kubectl get pods -n {self.namespace} -l {DRIVER_LABEL}={self.name}",
+        )
 
     def pods_named(self, names: set[str]) -> list[dict[str, Any]]:
         pods = self.core.list_namespaced_pod(
             self.namespace, label_selector=f"{DRIVER_LABEL}={self.name}", _preload_content=False
         )
         return [pod for pod in _json(pods)["items"] if pod["metadata"]["name"] in names]
-
-    def _wait_gone(self, left: Callable[[], list[str]]) -> None:
-        deadline = time.monotonic() + DELETE_TIMEOUT_S
-        while remaining := left():
-            if time.monotonic() > deadline:
-                raise SandboxStartError(
-                    f"pods {remaining} of {self.namespace} were still there {DELETE_TIMEOUT_S:g} s "
-                    "after their delete"
-                )
-            time.sleep(0.05)
 
     # -- exec ----------------------------------------------------------------------------
 
@@ -829,7 +828,6 @@ class KubernetesDriver(Driver):
 
     def _open_exec(self, pod_name: str, command: Sequence[str], argv: Sequence[str]) -> Any:
         from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
         from kubernetes.stream import stream
 
         # ``stream`` swaps its API client's transport while it opens: one client per exec.
@@ -848,15 +846,9 @@ class KubernetesDriver(Driver):
                 binary=True,
                 _preload_content=False,
             )
-        except ApiException as exc:
+        except Exception as exc:  # the API's refusal, and websocket errors of every kind
             raise SandboxExecError(
-                f"cannot run {list(argv)!r} in pod {self.namespace}/{pod_name}: {exc.status} "
-                f"{exc.reason}: {exc.body!r}"
-            ) from exc
-        except Exception as exc:  # websocket errors of every kind
-            raise SandboxExecError(
-                f"cannot run {list(argv)!r} in pod {self.namespace}/{pod_name}: "
-                f"{type(exc).__name__}: {exc}"
+                f"cannot run {list(argv)!r} in pod {self.namespace}/{pod_name}: {_said(exc)}"
             ) from exc
 
     @staticmethod
