@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drivers.base import write_all
 from drivers.container import (
@@ -55,7 +55,7 @@ class DockerDriver(ContainerDriver):
 
     @property
     def api(self) -> docker.APIClient:
-        return _client(self.url, API_TIMEOUT_S).api
+        return _client(self.url, API_TIMEOUT_S)
 
     def ping(self) -> None:
         self.api.ping()
@@ -118,7 +118,7 @@ class DockerDriver(ContainerDriver):
         self.api.start(container_id)
 
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        api = _client(self.url, EXEC_API_TIMEOUT_S).api
+        api = _client(self.url, EXEC_API_TIMEOUT_S)
         try:
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             stdout, stderr = api.exec_start(exec_id, demux=True)
@@ -135,7 +135,7 @@ class DockerDriver(ContainerDriver):
         stdout: int,
         stderr: int,
     ) -> int:
-        api = _client(self.url, EXEC_API_TIMEOUT_S).api
+        api = _client(self.url, EXEC_API_TIMEOUT_S)
         try:
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             for out, err in api.exec_start(exec_id, stream=True, demux=True):
@@ -190,19 +190,53 @@ class DockerDriver(ContainerDriver):
         import docker.errors
 
         try:
-            _liveness_client(url, LIVENESS_TIMEOUT_S).api.inspect_container(container_id)
+            _liveness_client(url, LIVENESS_TIMEOUT_S).inspect_container(container_id)
         except docker.errors.NotFound:
             return False
         return True
 
 
-def _docker_client(url: str, timeout: int, version: str) -> docker.DockerClient:
+def _api_client(url: str, timeout: int, version: str) -> docker.APIClient:
     import docker
 
-    return docker.DockerClient(base_url=url, timeout=timeout, version=version)
+    class UpgradedStreamClient(docker.APIClient):
+        """An APIClient that reads exec and attach streams through http.client's buffer.
+
+        Exec and attach are HTTP upgrades: http.client reads the ``101 UPGRADED`` headers
+        through a buffered reader, which takes whatever else came in the same read. docker-py
+        then reads the stream from the socket beneath it, so frames that arrived with the
+        headers are lost: a short command's whole output, under load (docker/docker-py#3332,
+        fixed upstream in an open pull request). Read the stream through that buffer.
+        """
+
+        def _get_raw_response_socket(self, response: Any) -> Any:
+            super()._get_raw_response_socket(response)  # type: ignore[misc]  # raises API errors
+            return _BufferedStream(response)
+
+    return UpgradedStreamClient(base_url=url, timeout=timeout, version=version)
 
 
-_client = client_cache(lambda url, timeout: _docker_client(url, timeout, "auto"))
+class _BufferedStream:
+    """A socket, as docker-py's stream readers use one, read through the response's buffer.
+
+    ``recv`` gives the buffered bytes first, then the connection's.
+
+    docker-py polls the descriptor before each read, so bytes already buffered wait for the
+    next bytes or the end of the stream: none is lost, a streamed line may come late.
+    """
+
+    def __init__(self, response: Any) -> None:
+        self._response = response  # keeps the connection open while the stream is read
+        self._reader = response.raw._fp.fp
+
+    def fileno(self) -> int:
+        return int(self._reader.fileno())
+
+    def recv(self, size: int) -> bytes:
+        return bytes(self._reader.read1(size))
+
+
+_client = client_cache(lambda url, timeout: _api_client(url, timeout, "auto"))
 # The oldest API version dockerd 25 and later still serve: asking a hung engine for its
 # version first would double the wait of every liveness check.
-_liveness_client = client_cache(lambda url, timeout: _docker_client(url, timeout, "1.24"))
+_liveness_client = client_cache(lambda url, timeout: _api_client(url, timeout, "1.24"))
