@@ -35,7 +35,7 @@ CDI_DIR = Path("/var/run/cdi")
 
 def bench_lifecycle(driver: ContainerDriver, iterations: int) -> tuple[float, float]:
     device = driver.device_ids(driver.inventory()[0])[0]
-    raw = driver.oracle_argv(device, None, ["nvidia-smi", "-L"])
+    raw = driver.oracle_argv([device], None, ["nvidia-smi", "-L"])
 
     def bare() -> None:
         subprocess.run(raw, check=True, capture_output=True)

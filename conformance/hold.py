@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -88,16 +89,19 @@ class HeldSandbox:
 
     def close(self) -> None:
         """Let the holder close its sandbox and exit."""
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
+        close_all([self])
+
+    def _let_go(self) -> None:
+        if self.process.stdin is not None:
             self.process.stdin.close()
-            try:
-                self.process.wait(REPLY_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                stream.close()
+
+    def _wait_gone(self) -> None:
+        try:
+            self.process.wait(REPLY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
     def __enter__(self) -> HeldSandbox:
         return self
@@ -109,6 +113,15 @@ class HeldSandbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def close_all(holders: Iterable[HeldSandbox]) -> None:
+    """Let every holder close its sandbox and exit, all at once; return when all are gone."""
+    holders = list(holders)
+    for holder in holders:
+        holder._let_go()
+    for holder in holders:
+        holder._wait_gone()
 
 
 def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str) -> list[str]:

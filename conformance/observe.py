@@ -8,8 +8,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import NVIDIA_MAJOR
 from gpuhost.errors import GpuAllocationError, RequestError
@@ -265,6 +263,25 @@ def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
     return specs
 
 
+SIDE_BY_SIDE = 4
+"""Creates at once when a test fills the host: engines start containers faster a few at a
+time than one by one (measured: 16 docker creates 2.4 s one by one, 1.4 s four at once)."""
+
+
+def create_side_by_side(
+    create: Callable[[SandboxSpec], Sandbox], specs: Iterable[SandboxSpec]
+) -> list[Sandbox]:
+    """``create`` each spec, a few at a time; the sandboxes in the specs' order.
+
+    The first error is raised once every create has ended; what was created stays with
+    ``create``'s owner (a ``SandboxFactory`` closes it after the test).
+    """
+    __tracebackhide__ = True
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        attempts = [pool.submit(create, spec) for spec in specs]
+    return [attempt.result() for attempt in attempts]
+
+
 def assert_all_gpus_grantable(driver: Driver, after: str) -> None:
     """Take every GPU of the host, then give them back: proves nothing is still held.
 
@@ -307,13 +324,17 @@ def expect_refusal(
     __tracebackhide__ = True
     before = driver.sandboxes(driver.session_id)
     leases_before = driver.host.leases.leases()
-    with pytest.raises(error) as raised:
+    try:
         create(spec)
-    assert raised.value.field == field, f"the error names {raised.value.field!r}, not {field!r}"
-    assert value in str(raised.value), f"the message does not name {value!r}: {raised.value}"
+    except error as exc:
+        refused = exc
+    else:
+        raise AssertionError(f"{spec} was granted; it must fail with {error.__name__}")
+    assert refused.field == field, f"the error names {refused.field!r}, not {field!r}"
+    assert value in str(refused), f"the message does not name {value!r}: {refused}"
     assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
     assert driver.host.leases.leases() == leases_before, f"the refused {spec} left a lease"
-    return raised.value
+    return refused
 
 
 def uuids(sandbox: Sandbox) -> list[str]:

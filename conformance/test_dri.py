@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from conformance.hold import HeldSandbox
@@ -82,14 +84,22 @@ def test_card_and_render_nodes_are_paired_by_pci_address(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
     """Each DRI GPU MUST get its own card and render nodes, by PCI address, in every ID form."""
-    for gpu in _dri_gpus(driver):
+    gpus = _dri_gpus(driver)
+    for gpu in gpus:
         assert gpu.pci_bus_id in driver.device_ids(gpu), (
             f"{gpu.describe()} cannot be named by its PCI address: {driver.device_ids(gpu)}"
         )
-        for device_id in driver.device_ids(gpu):
-            sandbox = sandboxes(_exact(driver, device_id))
+
+    def one(gpu: GpuDevice, device_id: str) -> None:
+        with sandboxes(_exact(driver, device_id)) as sandbox:
             _assert_holds_exactly(driver, sandbox, [gpu])
-            sandbox.close()
+
+    # Form by form, every DRI GPU at once: sandboxes held side by side.
+    forms = max(len(driver.device_ids(gpu)) for gpu in gpus)
+    with ThreadPoolExecutor(len(gpus)) as pool:
+        for form in range(forms):
+            named = [(gpu, ids[form]) for gpu in gpus if form < len(ids := driver.device_ids(gpu))]
+            list(pool.map(lambda pair: one(*pair), named))
 
 
 @pytest.mark.exclusive

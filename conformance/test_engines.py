@@ -5,12 +5,13 @@ These tests speak to the engine beside the driver, through its CLI, as a user wo
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.observe import uuids, visible_gpu_uuids
+from conformance.observe import parse_list, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from drivers.container import ContainerDriver, ContainerSandbox
@@ -50,19 +51,21 @@ def test_sandbox_sees_what_the_engine_injects(driver: Driver, sandboxes: Sandbox
         with sandboxes(spec) as sandbox:
             return sandbox.exec(["nvidia-smi", "-L"]).check().stdout
 
-    # The sandboxes side by side; the engine's own runs one at a time (concurrent
-    # `podman run --rm` of podman 4.3 sometimes loses a container's output).
     with ThreadPoolExecutor(len(devices)) as pool:
         listed = dict(zip(devices, pool.map(inside, engine.inventory()), strict=True))
-    for gpu in engine.inventory():
-        device = devices[gpu.uuid]
-        plain = _cli(engine.oracle_argv(device, None, ["nvidia-smi", "-L"]))
-        assert plain.returncode == 0, f"the engine's own run failed: {plain.stderr.strip()}"
-        assert listed[gpu.uuid] == plain.stdout, (
-            f"{device}: the sandbox lists {listed[gpu.uuid]!r}; `{engine.cli} run --device "
-            f"{device}` lists {plain.stdout!r}"
+    # The engine's own run, given every GPU's device: each GPU's lines (with its MIG devices)
+    # are what a sandbox holding that GPU alone must list, numbered from 0.
+    plain = _cli(engine.oracle_argv(list(devices.values()), None, ["nvidia-smi", "-L"]))
+    assert plain.returncode == 0, f"the engine's own run failed: {plain.stderr.strip()}"
+    by_uuid = {gpu.uuid: dataclasses.replace(gpu, index=0) for gpu in parse_list(plain.stdout)}
+    assert sorted(by_uuid) == sorted(devices), (
+        f"`{engine.cli} run` with {sorted(devices.values())} lists {plain.stdout!r}"
+    )
+    for uuid, device in devices.items():
+        assert parse_list(listed[uuid]) == [by_uuid[uuid]], (
+            f"{device}: the sandbox lists {listed[uuid]!r}; `{engine.cli} run --device "
+            f"{device}` lists {by_uuid[uuid]}"
         )
-        assert gpu.uuid in plain.stdout, f"{device} should be {gpu.describe()}: {plain.stdout!r}"
 
 
 @pytest.mark.requirement("GPU-ALL-01")

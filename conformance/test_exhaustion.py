@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.hold import HeldSandbox
+from conformance.hold import HeldSandbox, close_all
 from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
@@ -145,8 +145,7 @@ def test_concurrent_creates_from_processes_never_share(driver: Driver, settings:
             holder.send_go()
         replies = [holder.result() for holder in holders]
     finally:
-        for holder in holders:
-            holder.close()
+        close_all(holders)
     granted = [reply["gpus"] for reply in replies if reply["ok"]]
     for reply in replies:
         if reply["ok"]:

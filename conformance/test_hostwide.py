@@ -17,8 +17,8 @@ from importlib import resources
 
 import pytest
 
-from conformance.hold import HeldSandbox
-from conformance.observe import uuids, visible_gpu_uuids
+from conformance.hold import HeldSandbox, close_all
+from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
@@ -59,19 +59,25 @@ def _held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]
 
 
 @contextmanager
-def _held_by_a_reference_sandbox(
-    settings: Settings, session_id: str, gpu: GpuDevice
+def _held_by_reference_sandboxes(
+    settings: Settings, session_id: str, gpus: list[GpuDevice]
 ) -> Iterator[None]:
-    """A reference sandbox made by another process holds ``gpu`` (when bwrap can run)."""
+    """Reference sandboxes, each made by another process, hold ``gpus`` (when bwrap can run)."""
     reference = ReferenceDriver(settings.host, session_id)
-    if not reference.probe().ok:
+    if not gpus or not reference.probe().ok:
         yield  # the sh client's holds carry the check alone
         return
-    spec = SandboxSpec.with_gpus(driver="reference", device_ids=[gpu.uuid])
-    with HeldSandbox.start(reference, settings.host_config, spec) as other:
-        reply = other.go()
-        assert reply["ok"], f"a reference sandbox could not take {gpu.describe()}: {reply}"
+    specs = [SandboxSpec.with_gpus(driver="reference", device_ids=[gpu.uuid]) for gpu in gpus]
+    others = [HeldSandbox.start(reference, settings.host_config, spec) for spec in specs]
+    try:
+        for other in others:
+            other.send_go()
+        for gpu, other in zip(gpus, others, strict=True):
+            reply = other.result()
+            assert reply["ok"], f"a reference sandbox could not take {gpu.describe()}: {reply}"
         yield
+    finally:
+        close_all(others)
 
 
 @pytest.mark.exclusive
@@ -88,13 +94,13 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
         sh_held = held[: max(1, len(held) // 2)]
         # The host's own registry, whatever the driver under test made of it.
         holders.enter_context(_held_by_the_sh_client(settings.host, driver.session_id, sh_held))
-        for gpu in held[len(sh_held) :]:
-            holders.enter_context(_held_by_a_reference_sandbox(settings, driver.session_id, gpu))
+        holders.enter_context(
+            _held_by_reference_sandboxes(settings, driver.session_id, held[len(sh_held) :])
+        )
 
-        # Default requests, until none is left.
+        # Default requests, side by side, until none is left.
         got = []
-        for _ in free:
-            sandbox = sandboxes(SandboxSpec.with_gpus())
+        for sandbox in create_side_by_side(sandboxes, [SandboxSpec.with_gpus()] * len(free)):
             got += uuids(sandbox)
             assert not set(visible_gpu_uuids(sandbox)) & held_ids
         assert not set(got) & held_ids, f"defaults got {got}; others hold {sorted(held_ids)}"

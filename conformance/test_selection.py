@@ -8,7 +8,7 @@ import pytest
 
 from conformance import requirements
 from conformance.hold import HeldSandbox
-from conformance.observe import describe_gpus, uuids, visible_gpu_uuids
+from conformance.observe import create_side_by_side, describe_gpus, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
@@ -23,7 +23,7 @@ def test_default_request_gets_a_free_gpu(
     driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
 ) -> None:
     """A default GPU request MUST get a free GPU, never one a live sandbox holds."""
-    held = [sandboxes(SandboxSpec.with_gpus()) for _ in range(len(host_gpus) - 1)]
+    held = create_side_by_side(sandboxes, [SandboxSpec.with_gpus()] * (len(host_gpus) - 1))
     taken = [uuids(sandbox) for sandbox in held]
     assert all(len(gpus) == 1 for gpus in taken), f"default requests got {taken}"
     flat = [gpus[0] for gpus in taken]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.hold import HeldSandbox
-from conformance.observe import expect_refusal, uuids, visible_gpu_uuids
+from conformance.hold import HeldSandbox, close_all
+from conformance.observe import create_side_by_side, expect_refusal, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
@@ -65,15 +65,18 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
 
     # The same from another process: it may join a GPU with room, not a full one.
     room = driver.device_ids(beyond.gpus[0])[0]
-    with HeldSandbox.start(driver, settings.host_config, _shared(driver, room)) as other:
-        reply = other.go()
+    joining = HeldSandbox.start(driver, settings.host_config, _shared(driver, room))
+    crowding = HeldSandbox.start(driver, settings.host_config, _shared(driver, gpu_ids[0]))
+    try:
+        reply = joining.go()
         assert reply["ok"], f"another process could not join {room}, shared by one: {reply}"
         assert reply["visible"] == uuids(beyond), f"the other process's sharer sees {reply}"
-    with HeldSandbox.start(driver, settings.host_config, _shared(driver, gpu_ids[0])) as other:
-        reply = other.go()
+        reply = crowding.go()
         assert reply == {"ok": False, "error": "GpuBusy", "message": reply.get("message")}, (
             f"{gpu} has {limit} sharers, the limit; another process got {reply}"
         )
+    finally:
+        close_all([joining, crowding])
 
 
 @pytest.mark.shares_gpus
@@ -83,8 +86,8 @@ def test_shared_requests_fail_when_every_gpu_is_full(
 ) -> None:
     """Shared requests MUST get GpusExhausted once every GPU has its limit of sharers."""
     total = len(driver.inventory())
-    for _ in range(total * driver.host.share_limit):
-        sandboxes(_shared(driver))
+    # Side by side: concurrent shared requests must fill every GPU exactly to the limit too.
+    create_side_by_side(sandboxes, [_shared(driver)] * (total * driver.host.share_limit))
     held = [uuid for sandbox in sandboxes.open for uuid in uuids(sandbox)]
     counts = {uuid: held.count(uuid) for uuid in held}
     assert set(counts.values()) == {driver.host.share_limit}, f"sharers per GPU: {counts}"

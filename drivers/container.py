@@ -464,12 +464,13 @@ class ContainerDriver(Driver):
         """A command line of the engine's own CLI, pointed at the engine this driver uses."""
         return [self.cli, f"--{self.cli_url_flag}={self.url}", *args]
 
-    def oracle_argv(self, cdi_device: str, image: str | None, argv: Sequence[str]) -> list[str]:
-        """The engine's CLI running ``argv`` with one CDI device, outside any driver."""
+    def oracle_argv(
+        self, cdi_devices: Sequence[str], image: str | None, argv: Sequence[str]
+    ) -> list[str]:
+        """The engine's CLI running ``argv`` with these CDI devices, outside any driver."""
         image = image or self.image or DEFAULT_IMAGE
-        return self.cli_argv(
-            "run", "--rm", "--network=none", f"--device={cdi_device}", image, *argv
-        )
+        devices = [f"--device={device}" for device in cdi_devices]
+        return self.cli_argv("run", "--rm", "--network=none", *devices, image, *argv)
 
 
 @dataclass
