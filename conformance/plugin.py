@@ -9,6 +9,7 @@ a release gate must never go green by skipping.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -368,7 +369,8 @@ def _select_requirements(config: pytest.Config, items: list[pytest.Item]) -> Non
 def gpu_host(pytestconfig: pytest.Config) -> GpuHost:
     settings = pytestconfig.stash[settings_key]
     if settings.host_config.sim_root is None:
-        _one_run_at_a_time(pytestconfig, settings.host_config.state_directory())
+        with _shown(pytestconfig):
+            _one_run_at_a_time(pytestconfig, settings.host_config.state_directory())
     return settings.host
 
 
@@ -386,8 +388,24 @@ def driver(request: pytest.FixtureRequest, gpu_host: GpuHost) -> Iterator[Driver
                 pytrace=False,
             )
         pytest.skip(f"{name}: {availability.reason}")
-    yield instance
-    instance.reap(settings.session_id)
+    # Held from the first test of the lane to its last, reaped before it is given back:
+    # runs that share what the driver hands out (a cluster) take turns; others never wait.
+    with contextlib.ExitStack() as turn:
+        with _shown(request.config):
+            turn.enter_context(instance.catalogue_turn())
+        yield instance
+        instance.reap(settings.session_id)
+
+
+@contextlib.contextmanager
+def _shown(config: pytest.Config) -> Iterator[None]:
+    """Output on the terminal, not captured: a run waiting for its turn says so."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is None:
+        yield
+        return
+    with capture.global_and_fixture_disabled():
+        yield
 
 
 @pytest.fixture

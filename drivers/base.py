@@ -20,6 +20,7 @@ registers the check with the lease registry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -278,6 +279,18 @@ class Driver(ABC):
         seconds. Only drivers whose holders are not processes implement it.
         """
         raise NotImplementedError(f"{cls.__name__} names no holder kind of its own")
+
+    def catalogue_turn(self) -> contextlib.AbstractContextManager[None]:
+        """What a catalogue run holds while it runs this driver's lane.
+
+        It is held so that runs sharing what the driver hands out take turns. Entering it
+        may wait for another run (saying so on stderr), and raises when the turn does not
+        come in time; exiting gives the turn back, whatever the lane did. By default there is
+        nothing to wait for: a host's GPUs go through its lease registry, and the runs of one
+        real host take turns already (the conformance plugin's run lock). A driver whose GPUs
+        belong to something every run shares, a cluster, overrides it.
+        """
+        return contextlib.nullcontext()
 
     def version(self) -> str:
         """What the driver runs on, for reports (e.g. ``bubblewrap 0.8.0``); "" if unknown.

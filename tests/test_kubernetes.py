@@ -9,11 +9,14 @@ xdist group, one after the other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,14 @@ from drivers.kubernetes import (
     exit_status,
     free_gpus,
     granted_uuids,
+    micro_time,
     pod_gpu_request,
     pod_manifest,
 )
 from gpuhost import simulated
 from gpuhost.devices import gpus_from_json
 from gpuhost.errors import (
+    DriverError,
     ExecTimeout,
     GpusExhausted,
     InvalidDriverConfig,
@@ -285,6 +290,161 @@ def test_reap_from_a_fresh_process_removes_the_pods(cluster_driver: KubernetesDr
     reap = [str(gpu_sandbox), "reap", sim_root, "--driver=kubernetes", cluster_driver.session_id]
     subprocess.run(reap, cwd=ROOT, check=True, capture_output=True)
     assert cluster_driver.sandboxes(cluster_driver.session_id) == []
+
+
+# -- the catalogue's turn on the cluster -------------------------------------------------
+
+
+@pytest.fixture
+def two_runs(
+    cluster_driver: KubernetesDriver,
+) -> Iterator[tuple[KubernetesDriver, KubernetesDriver]]:
+    """Drivers of two sessions, taking turns on a Lease of the test's own, of 2 s."""
+    second = KubernetesDriver(cluster_driver.host, f"k8s-{time.time_ns()}")
+    lease = f"test-turn-{time.time_ns()}"
+    for driver in (cluster_driver, second):
+        driver.turn_lease = lease
+        driver.turn_duration_s = 2
+    yield cluster_driver, second
+    from kubernetes.client.exceptions import ApiException
+
+    with contextlib.suppress(ApiException):
+        _leases(cluster_driver).delete_namespaced_lease(lease, cluster_driver.namespace)
+
+
+def _leases(driver: KubernetesDriver) -> Any:
+    from kubernetes import client
+
+    return client.CoordinationV1Api(driver.api_client())
+
+
+def _holder(driver: KubernetesDriver) -> str | None:
+    """Who holds the driver's turn Lease; None when there is no Lease."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        lease = _leases(driver).read_namespaced_lease(
+            driver.turn_lease, driver.namespace, _preload_content=False
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return str(json.loads(lease.data)["spec"].get("holderIdentity") or "")
+
+
+def test_a_second_run_waits_for_the_turn_and_gets_it_once_given_back(
+    two_runs: tuple[KubernetesDriver, KubernetesDriver], capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = two_runs
+    got: list[float] = []
+    errors: list[BaseException] = []
+
+    def second_run() -> None:
+        try:
+            with second.catalogue_turn():
+                got.append(time.monotonic())
+                assert (_holder(second) or "").startswith(second.session_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=second_run, daemon=True)
+    with first.catalogue_turn():
+        waiter.start()
+        # Twice the Lease's duration: the first run's renewals keep it.
+        time.sleep(2 * first.turn_duration_s)
+        assert not got, "the second run took a turn the first still held"
+        assert (_holder(first) or "").startswith(f"{first.session_id} (pid ")
+        given_back = time.monotonic()
+    waiter.join(timeout=10)
+    assert not errors, errors
+    assert got, "the second run did not get its turn"
+    assert got[0] - given_back < 2, f"the second run waited {got[0] - given_back:.1f} s more"
+    assert _holder(first) is None, "the second run left the Lease behind"
+    waited = (
+        f"waiting for another conformance run on cluster {first.configuration.host} "
+        f"(lease {first.turn_lease} held by {first.session_id} (pid "
+    )
+    lines = capsys.readouterr().err.splitlines()
+    assert sum(line.startswith(waited) for line in lines) == 1, lines
+
+
+def test_an_expired_turn_of_a_run_that_died_is_taken_over(
+    two_runs: tuple[KubernetesDriver, KubernetesDriver],
+) -> None:
+    driver, _ = two_runs
+    an_hour_ago = micro_time(datetime.now(UTC) - timedelta(hours=1))
+    driver._ensure_namespace()
+    _leases(driver).create_namespaced_lease(
+        driver.namespace,
+        {
+            "metadata": {"name": driver.turn_lease},
+            "spec": {
+                "holderIdentity": "a-dead-run (pid 1 on elsewhere)",
+                "leaseDurationSeconds": 15,
+                "acquireTime": an_hour_ago,
+                "renewTime": an_hour_ago,
+            },
+        },
+    )
+    started = time.monotonic()
+    with driver.catalogue_turn():
+        # Judged by its renewTime, not by watching it for its 15 s.
+        assert time.monotonic() - started < 5
+        assert (_holder(driver) or "").startswith(driver.session_id)
+    assert _holder(driver) is None
+
+
+def test_the_turn_is_given_back_when_the_lane_raises(
+    two_runs: tuple[KubernetesDriver, KubernetesDriver],
+) -> None:
+    driver, _ = two_runs
+
+    def lane() -> None:
+        with driver.catalogue_turn():
+            assert (_holder(driver) or "").startswith(driver.session_id)
+            raise RuntimeError("the lane broke")
+
+    with pytest.raises(RuntimeError, match="the lane broke"):
+        lane()
+    assert _holder(driver) is None
+
+
+def test_a_run_that_waits_too_long_says_who_holds_the_turn(
+    two_runs: tuple[KubernetesDriver, KubernetesDriver],
+) -> None:
+    first, second = two_runs
+    second.turn_timeout_s = 1
+    with first.catalogue_turn():
+        with pytest.raises(TimeoutError) as raised, second.catalogue_turn():
+            pass
+        said = str(raised.value)
+    assert f"held by {first.session_id} (pid " in said
+    assert f"kubectl get lease -n {first.namespace} {first.turn_lease}" in said
+    assert _holder(first) is None
+
+
+def test_a_turn_taken_while_held_fails_the_run(
+    two_runs: tuple[KubernetesDriver, KubernetesDriver],
+) -> None:
+    """As when the holder stalled longer than its Lease and another run took it over."""
+    driver, _ = two_runs
+
+    def lane() -> None:
+        with driver.catalogue_turn():
+            lease = json.loads(
+                _leases(driver)
+                .read_namespaced_lease(driver.turn_lease, driver.namespace, _preload_content=False)
+                .data
+            )
+            lease["spec"]["holderIdentity"] = "another-run"
+            lease["metadata"].pop("managedFields", None)
+            _leases(driver).replace_namespaced_lease(driver.turn_lease, driver.namespace, lease)
+            time.sleep(driver.turn_duration_s)  # a renewal or two
+
+    with pytest.raises(DriverError, match="went to another-run while this run held it"):
+        lane()
+    assert _holder(driver) == "another-run", "a run gave back a turn that was not its own"
 
 
 def test_catalogue_passes_the_kubernetes_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
