@@ -254,7 +254,11 @@ def probed_dri(sandbox: Sandbox) -> dict[str, set[str]] | None:
 
 def specs_for_all_gpus(driver: Driver) -> list[SandboxSpec]:
     """Specs that together ask for every GPU of the host, within the per-sandbox maximum."""
-    total = len(driver.inventory())
+    return specs_for_gpus(driver, len(driver.inventory()))
+
+
+def specs_for_gpus(driver: Driver, total: int) -> list[SandboxSpec]:
+    """Specs that together ask for ``total`` GPUs, as few as the per-sandbox maximum allows."""
     per_sandbox = max(1, min(total, driver.capabilities.max_gpus_per_sandbox))
     specs = []
     while total > 0:

@@ -11,7 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conformance.hold import HeldSandbox, close_all
-from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
+from conformance.observe import (
+    SIDE_BY_SIDE,
+    assert_all_gpus_grantable,
+    create_side_by_side,
+    specs_for_gpus,
+    uuids,
+    visible_gpu_uuids,
+)
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.errors import GpusExhausted
@@ -119,8 +126,9 @@ def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
         lost = [e for f in futures if (e := f.exception()) is not None]
         _assert_fair_outcome([uuids(sandbox) for sandbox in won], lost, total)
         # What each winner holds is what it sees, not only what the driver says it gave.
-        for sandbox in won:
-            seen = visible_gpu_uuids(sandbox)
+        with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+            seen_by = list(pool.map(visible_gpu_uuids, won))
+        for sandbox, seen in zip(won, seen_by, strict=True):
             assert sorted(seen) == sorted(uuids(sandbox)), (
                 f"sandbox {sandbox.id} was given {uuids(sandbox)}; nvidia-smi inside lists {seen}"
             )
@@ -132,10 +140,16 @@ def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
 
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-CONCURRENT-02")
-def test_concurrent_creates_from_processes_never_share(driver: Driver, settings: Settings) -> None:
+def test_concurrent_creates_from_processes_never_share(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
     """Concurrent creates from separate processes MUST never grant a GPU twice."""
-    total = len(driver.inventory())
-    # Two more processes than GPUs: enough to race and to lose (a process costs a second).
+    # Half the GPUs held here first, so the race is for the rest, beside GPUs held.
+    kept = len(driver.inventory()) // 2
+    mine = create_side_by_side(sandboxes, specs_for_gpus(driver, kept))
+    held_here = {uuid for sandbox in mine for uuid in uuids(sandbox)}
+    total = len(driver.inventory()) - kept
+    # Two more processes than free GPUs: enough to race and to lose.
     holders = [
         HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus())
         for _ in range(total + 2)
@@ -159,4 +173,8 @@ def test_concurrent_creates_from_processes_never_share(driver: Driver, settings:
         if not reply["ok"]
     ]
     _assert_fair_outcome(granted, errors, total)
+    taken = {uuid for gpus in granted for uuid in gpus}
+    assert not taken & held_here, f"processes were granted {sorted(taken & held_here)}, held here"
+    for sandbox in mine:
+        sandbox.close()
     assert_all_gpus_grantable(driver, after="the holder processes exited")

@@ -82,25 +82,33 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
                 f"asked for {device_id!r}, the sandbox sees {seen}: {describe_gpus(sandbox)}"
             )
 
-    # Form by form, every GPU at once: sandboxes of exact IDs held side by side.
-    forms = max(len(driver.device_ids(gpu)) for gpu in inventory)
+    def every_form(gpu: GpuDevice) -> None:
+        for device_id in driver.device_ids(gpu):
+            one(gpu, device_id)
+
+    def mixed(pair: tuple[GpuDevice, GpuDevice], form: int) -> None:
+        later, earlier = pair
+        forms = min(len(driver.device_ids(later)), len(driver.device_ids(earlier)))
+        ids = [
+            driver.device_ids(later)[form % forms],
+            driver.device_ids(earlier)[(form + 1) % forms],
+        ]
+        with sandboxes(_exact(driver, ids, count=2)) as sandbox:
+            assert sorted(uuids(sandbox)) == sorted([earlier.uuid, later.uuid]), f"asked {ids}"
+            assert sorted(visible_gpu_uuids(sandbox)) == sorted([earlier.uuid, later.uuid])
+
+    # Every GPU at once, each named in every form in turn: sandboxes held side by side.
     with ThreadPoolExecutor(len(inventory)) as pool:
-        for form in range(forms):
-            named = [
-                (gpu, names[form])
-                for gpu in inventory
-                if form < len(names := driver.device_ids(gpu))
-            ]
-            list(pool.map(lambda pair: one(*pair), named))
+        list(pool.map(every_form, inventory))
     if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
-        last, first = inventory[-1], inventory[0]
-        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one.
-        forms = min(len(driver.device_ids(last)), len(driver.device_ids(first)))
-        for i in range(forms):
-            ids = [driver.device_ids(last)[i], driver.device_ids(first)[(i + 1) % forms]]
-            with sandboxes(_exact(driver, ids, count=2)) as sandbox:
-                assert sorted(uuids(sandbox)) == sorted([first.uuid, last.uuid]), f"asked {ids}"
-                assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, last.uuid])
+        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one,
+        # each pair of GPUs (last and first, then inwards) side by side while GPUs last.
+        forms = min(len(driver.device_ids(gpu)) for gpu in (inventory[0], inventory[-1]))
+        pairs = [(inventory[-1 - i], inventory[i]) for i in range(len(inventory) // 2)]
+        work = [(pairs[form % len(pairs)], form) for form in range(forms)]
+        for start in range(0, len(work), len(pairs)):
+            with ThreadPoolExecutor(len(pairs)) as pool:
+                list(pool.map(lambda job: mixed(*job), work[start : start + len(pairs)]))
 
 
 @pytest.mark.requirement("GPU-EXACT-01")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from conformance.hold import HeldSandbox, close_all
-from conformance.observe import create_side_by_side, expect_refusal, uuids, visible_gpu_uuids
+from conformance.observe import (
+    create_side_by_side,
+    expect_refusal,
+    specs_for_gpus,
+    uuids,
+    visible_gpu_uuids,
+)
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
@@ -84,12 +90,19 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
 def test_shared_requests_fail_when_every_gpu_is_full(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
-    """Shared requests MUST get GpusExhausted once every GPU has its limit of sharers."""
+    """Shared requests MUST get GpusExhausted once every GPU is held whole or has its limit."""
     total = len(driver.inventory())
-    # Side by side: concurrent shared requests must fill every GPU exactly to the limit too.
-    create_side_by_side(sandboxes, [_shared(driver)] * (total * driver.host.share_limit))
-    held = [uuid for sandbox in sandboxes.open for uuid in uuids(sandbox)]
+    # All but two GPUs held whole; the two filled by shared requests made side by side,
+    # which must fill each exactly to the limit, and never join a GPU held whole.
+    shared_gpus = min(2, total)
+    exclusive = create_side_by_side(sandboxes, specs_for_gpus(driver, total - shared_gpus))
+    held_whole = {uuid for sandbox in exclusive for uuid in uuids(sandbox)}
+    sharers = create_side_by_side(
+        sandboxes, [_shared(driver)] * (shared_gpus * driver.host.share_limit)
+    )
+    held = [uuid for sandbox in sharers for uuid in uuids(sandbox)]
     counts = {uuid: held.count(uuid) for uuid in held}
+    assert not set(counts) & held_whole, f"shared requests joined GPUs held whole: {counts}"
     assert set(counts.values()) == {driver.host.share_limit}, f"sharers per GPU: {counts}"
     with pytest.raises(GpusExhausted):
         sandboxes(_shared(driver))

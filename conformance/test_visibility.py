@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from conformance.observe import foreign_gpu_nodes, nvidia_gpu_nodes, uuids, visible_gpu_uuids
+from conformance.observe import (
+    create_side_by_side,
+    foreign_gpu_nodes,
+    nvidia_gpu_nodes,
+    uuids,
+    visible_gpu_uuids,
+)
 from conformance.plugin import SandboxFactory
-from drivers.base import Driver
+from drivers.base import Driver, Sandbox
 from gpuhost.spec import SandboxSpec
 
 
@@ -71,18 +79,28 @@ def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFact
     requests = [SandboxSpec.with_gpus(count), SandboxSpec.with_gpus()]
     if driver.capabilities.exact_ids:
         last = driver.device_ids(driver.inventory()[-1])[0]
-        requests.append(SandboxSpec.with_gpus(driver=driver.name, device_ids=[last]))
-    for spec in requests:
-        sandbox = sandboxes(spec)
-        assert all(gpu.minor is not None for gpu in sandbox.gpus), (
-            f"the driver reports GPUs without a device minor: {sandbox.gpus}"
-        )
-        expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
-        nodes = nvidia_gpu_nodes(sandbox)
-        assert sorted(node.minor for node in nodes) == expected, (
-            f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
-        )
-        foreign = foreign_gpu_nodes(sandbox, driver)
-        assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
-        assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))
-        sandbox.close()
+        requests.insert(0, SandboxSpec.with_gpus(driver=driver.name, device_ids=[last]))
+    if len(driver.inventory()) < count + len(requests) - 1:
+        for spec in requests:  # too few GPUs to hold them all at once
+            with sandboxes(spec) as sandbox:
+                _assert_only_its_own_nodes(driver, sandbox)
+        return
+    # Side by side, the exact request first: each beside the others, whose GPUs it must not see.
+    held = [sandboxes(requests[0]), *create_side_by_side(sandboxes, requests[1:])]
+    with ThreadPoolExecutor(len(held)) as pool:
+        list(pool.map(lambda sandbox: _assert_only_its_own_nodes(driver, sandbox), held))
+
+
+def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
+    __tracebackhide__ = True
+    assert all(gpu.minor is not None for gpu in sandbox.gpus), (
+        f"the driver reports GPUs without a device minor: {sandbox.gpus}"
+    )
+    expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
+    nodes = nvidia_gpu_nodes(sandbox)
+    assert sorted(node.minor for node in nodes) == expected, (
+        f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
+    )
+    foreign = foreign_gpu_nodes(sandbox, driver)
+    assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
+    assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))

@@ -98,6 +98,9 @@ write_configs() {
   if [ "$nproc" = unlimited ] || [ "$nproc" -gt "$pid_max" ]; then nproc=$pid_max; fi
   if [ "$nofile" = unlimited ]; then nofile=1048576; fi
   # crun 1.8 fails on hybrid cgroup layouts: runc. No systemd: cgroupfs, file events.
+  # Every exec keeps a conmon process for exit_command_delay after it ends, so that API
+  # clients can still ask for its exit code (300 s by default: a catalogue run's execs left
+  # 700 of them behind); the drivers ask at once.
   cat >"$STATE/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
@@ -106,6 +109,7 @@ default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
+exit_command_delay = 30
 EOF
   cat >"$STATE/daemon.json" <<EOF
 {
