@@ -101,14 +101,17 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
     with ThreadPoolExecutor(len(inventory)) as pool:
         list(pool.map(every_form, inventory))
     if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
-        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one,
-        # each pair of GPUs (last and first, then inwards) side by side while GPUs last.
+        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one.
+        # The pairs (last and first, then inwards) side by side, each taking its forms in turn.
         forms = min(len(driver.device_ids(gpu)) for gpu in (inventory[0], inventory[-1]))
         pairs = [(inventory[-1 - i], inventory[i]) for i in range(len(inventory) // 2)]
-        work = [(pairs[form % len(pairs)], form) for form in range(forms)]
-        for start in range(0, len(work), len(pairs)):
-            with ThreadPoolExecutor(len(pairs)) as pool:
-                list(pool.map(lambda job: mixed(*job), work[start : start + len(pairs)]))
+
+        def pair_forms(k: int) -> None:
+            for form in range(k, forms, len(pairs)):
+                mixed(pairs[k], form)
+
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            list(pool.map(pair_forms, range(len(pairs))))
 
 
 @pytest.mark.requirement("GPU-EXACT-01")
