@@ -82,13 +82,16 @@ def test_more_than_free_fails_promptly_and_takes_nothing(
 ) -> None:
     """A request for more GPUs than are free MUST fail promptly with GpusExhausted."""
     total = len(driver.inventory())
+    # Three creates one by one measure what a create takes here; the rest of the host, but
+    # one GPU, is filled side by side.
     took = []
-    for _ in range(max(total - 1, 1)):
+    for _ in range(min(3, max(total - 1, 1))):
         start = time.monotonic()
         sandbox = sandboxes(SandboxSpec.with_gpus())
         took.append(time.monotonic() - start)
     if total == 1:
         sandbox.close()
+    create_side_by_side(sandboxes, specs_for_gpus(driver, total - 1 - len(took)))
     # "Promptly": within what a create takes here, plus a grace the driver declares.
     bound_s = statistics.median(took) + _grace(driver, settings)
     if driver.capabilities.max_gpus_per_sandbox >= 2:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from conformance.hold import HeldSandbox, close_all
@@ -52,8 +54,9 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
         assert uuids(sharer) == gpu, (
             f"{limit} shared requests may share one GPU; they got {[uuids(s) for s in sharers]}"
         )
-        seen = visible_gpu_uuids(sharer)
-        assert seen == gpu, f"a sharer of {gpu} sees {seen}"
+    with ThreadPoolExecutor(len(sharers)) as pool:
+        for seen in pool.map(visible_gpu_uuids, sharers):
+            assert seen == gpu, f"a sharer of {gpu} sees {seen}"
     beyond = sandboxes(_shared(driver))
     assert uuids(beyond) != gpu, f"{gpu} already had {limit} sharers, the limit; it got one more"
 
