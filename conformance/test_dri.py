@@ -90,16 +90,14 @@ def test_card_and_render_nodes_are_paired_by_pci_address(
             f"{gpu.describe()} cannot be named by its PCI address: {driver.device_ids(gpu)}"
         )
 
-    def one(gpu: GpuDevice, device_id: str) -> None:
-        with sandboxes(_exact(driver, device_id)) as sandbox:
-            _assert_holds_exactly(driver, sandbox, [gpu])
+    def every_form(gpu: GpuDevice) -> None:
+        for device_id in driver.device_ids(gpu):
+            with sandboxes(_exact(driver, device_id)) as sandbox:
+                _assert_holds_exactly(driver, sandbox, [gpu])
 
-    # Form by form, every DRI GPU at once: sandboxes held side by side.
-    forms = max(len(driver.device_ids(gpu)) for gpu in gpus)
+    # Every DRI GPU at once, each named in every form in turn: sandboxes held side by side.
     with ThreadPoolExecutor(len(gpus)) as pool:
-        for form in range(forms):
-            named = [(gpu, ids[form]) for gpu in gpus if form < len(ids := driver.device_ids(gpu))]
-            list(pool.map(lambda pair: one(*pair), named))
+        list(pool.map(every_form, gpus))
 
 
 @pytest.mark.exclusive
