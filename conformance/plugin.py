@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import io
 import os
 import socket
 import sys
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pytest
 
@@ -399,13 +400,39 @@ def driver(request: pytest.FixtureRequest, gpu_host: GpuHost) -> Iterator[Driver
 
 @contextlib.contextmanager
 def _shown(config: pytest.Config) -> Iterator[None]:
-    """Output on the terminal, not captured: a run waiting for its turn says so."""
+    """Output on the terminal, not captured: a run waiting for its turn says so.
+
+    On a line of its own, not after the progress dots of ``-q``.
+    """
     capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is None:
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    with contextlib.ExitStack() as shown:
+        if capture is not None:
+            shown.enter_context(capture.global_and_fixture_disabled())
+        if reporter is not None:
+            shown.enter_context(contextlib.redirect_stderr(_OnNewLine(sys.stderr, reporter)))
         yield
-        return
-    with capture.global_and_fixture_disabled():
-        yield
+
+
+class _OnNewLine(io.TextIOBase):
+    """``stream``, where the first write ends the reporter's current line first."""
+
+    def __init__(self, stream: TextIO, reporter: Any) -> None:
+        self._stream = stream
+        self._reporter = reporter
+        self._started = False
+
+    def write(self, text: str) -> int:
+        if not self._started:
+            self._started = True
+            self._reporter.ensure_newline()
+            # -q writes its dots without a file name, which ensure_newline goes by.
+            if self._reporter._tw.width_of_current_line:
+                self._reporter._tw.line()
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 @pytest.fixture

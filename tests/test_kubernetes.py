@@ -230,8 +230,10 @@ def cluster_driver(tmp_path: Path) -> Iterator[KubernetesDriver]:
     driver = KubernetesDriver(GpuHost.open(HostConfig(sim.root)), f"k8s-{time.time_ns()}")
     availability = driver.probe()
     assert availability.ok, f"the kubernetes driver cannot run here: {availability.reason}"
-    yield driver
-    driver.reap(driver.session_id)
+    # The cluster's GPUs are shared with any catalogue run on it: take turns with them.
+    with driver.catalogue_turn():
+        yield driver
+        driver.reap(driver.session_id)
     simulated.teardown(sim.root)
 
 

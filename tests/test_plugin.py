@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -226,3 +229,24 @@ def test_a_hanging_driver_fails_its_requirement_by_name_and_the_report_is_writte
     assert matrix["GPU-NONE-01"][name] == "failed"  # it hung in nvidia-smi, and was stopped
     assert matrix["GPU-EXHAUST-02"][name] == "passed"  # and the run went on
     result.stdout.fnmatch_lines([f"{name}: FAIL — GPU-NONE-01 failed: *Timeout*"])
+
+
+def test_a_run_waiting_for_its_turn_says_so_on_a_line_of_its_own(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Not captured, and not appended to the progress dots of ``-q`` on the terminal."""
+    host = simulated.setup(tmp_path / "sim", 2)
+    for verbosity in ("-q", "-v"):
+        argv = [
+            sys.executable, "-m", "pytest", str(ROOT / "conformance" / "test_validation.py"),
+            f"--rootdir={ROOT}", "-c", str(ROOT / "pytest.ini"), "-p", "no:cacheprovider",
+            "--driver=tests.fake_drivers:WaitsForItsTurn", f"--sim-root={host.root}", verbosity,
+        ]  # fmt: skip
+        # One stream, as on a terminal.
+        done = subprocess.run(
+            argv, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:]
+        said = [line for line in done.stdout.splitlines() if "waiting for another" in line]
+        assert said == ["waiting for another conformance run (held by a test)"], (verbosity, said)
