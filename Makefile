@@ -9,7 +9,7 @@ SIM_ROOT ?= /run/gpu-sandbox-sim
 SIM_GPUS ?= 8
 # The simulated host of `make conformance`: two of its GPUs in MIG mode, and an Intel and
 # two AMD GPUs beside them, so that the MIG and DRI requirements are checked too.
-SIM_MIG ?= 0:7x1g.10gb,1:3x2g.20gb
+SIM_MIG ?= 0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb
 SIM_DRI ?= intel:1,amd:2
 REPORTS := reports
 PYTEST_ARGS ?=

@@ -85,7 +85,7 @@ def _pss_rss(pid: int) -> tuple[int, int]:
 def lane(runs: int) -> list[float]:
     argv = [
         sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
-        "--driver=vm", "--sim-gpus=8", "--sim-mig=0:7x1g.10gb,1:3x2g.20gb",
+        "--driver=vm", "--sim-gpus=8", "--sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb",
         "--sim-dri=intel:1,amd:2",
     ]  # fmt: skip
     times = []

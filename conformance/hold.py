@@ -5,6 +5,8 @@ sandbox's creator, and (``--reap``) to reap a session from a fresh process. Prot
 JSON object per line: it waits for a line on stdin (``go``), creates the sandbox, prints
 ``{"ok": true, "sandbox": ..., "gpus": [uuids], "visible": [uuids nvidia-smi lists]}`` or
 ``{"ok": false, "error": <type>, "message": ...}``, then holds the sandbox until stdin closes.
+Before it waits for ``go`` it says ``{"ready": true}``: imported, its driver built, so that
+processes told to go together create together.
 """
 
 from __future__ import annotations
@@ -27,11 +29,23 @@ from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from gpuhost.errors import DriverError
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import DEFAULT_SHARE_LIMIT
+from gpuhost.leases import DEFAULT_SHARE_LIMIT, PROCESS, Holder, liveness_check, register_liveness
 from gpuhost.spec import SandboxSpec, parse_spec
 
 REPLY_TIMEOUT_S = 60.0
 """A holder imports the driver and creates one sandbox; a minute means it is stuck."""
+RUN_HOLDER = "conformance-run"
+"""A lease holder kind of the catalogue's own, neither a process nor an engine's: a lease
+held by a catalogue run, for as long as that run's process lives."""
+
+
+def run_alive(holder: Holder) -> bool:
+    """The liveness check of ``RUN_HOLDER``, also an entry point (``gpu_sandbox.liveness``)."""
+    check = liveness_check(PROCESS)
+    return True if check is None else check(Holder(PROCESS, holder.ref))
+
+
+register_liveness(RUN_HOLDER, run_alive)
 
 
 class HeldSandbox:
@@ -39,6 +53,7 @@ class HeldSandbox:
 
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self.process = process
+        self._ready = False
 
     @classmethod
     def start(cls, driver: Driver, host: HostConfig, spec: SandboxSpec) -> HeldSandbox:
@@ -55,13 +70,24 @@ class HeldSandbox:
         )
         return cls(process)
 
+    def wait_ready(self) -> None:
+        """Return once the holder is ready to create at once (told ``go``)."""
+        if not self._ready:
+            said = self._read()
+            assert said == {"ready": True}, f"holder process {self.process.pid} said {said}"
+            self._ready = True
+
     def send_go(self) -> None:
+        self.wait_ready()
         assert self.process.stdin is not None
         self.process.stdin.write("go\n")
         self.process.stdin.flush()
 
     def result(self) -> dict[str, Any]:
         """The holder's reply: ``ok`` with its sandbox and GPUs, or the error it got."""
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], REPLY_TIMEOUT_S)
         line = self.process.stdout.readline() if ready else ""
@@ -169,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         _reply({"removed": driver.reap(args.session)})
         return 0
     spec = parse_spec(args.spec)
+    _reply({"ready": True})
     if not sys.stdin.readline():
         return 0
     try:

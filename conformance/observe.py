@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +210,9 @@ DRM_RENDER_MINORS = range(128, 256)
 """renderD128 and up; card<N> has minor N (and 64-127 were the retired control nodes)."""
 
 
-def visible_dri(sandbox: Sandbox, driver: Driver) -> dict[str, set[str]]:
+def visible_dri(
+    sandbox: Sandbox, driver: Driver, nodes: Sequence[NodeSeen] | None = None
+) -> dict[str, set[str]]:
     """PCI address → which DRI nodes (``card``, ``render``) of that GPU the sandbox holds.
 
     Of the host's AMD and Intel GPUs, told by the nodes' numbers as the kernel tells them,
@@ -227,7 +229,7 @@ def visible_dri(sandbox: Sandbox, driver: Driver) -> dict[str, set[str]]:
         if node.major == DRM_MAJOR
     }
     seen: dict[str, set[str]] = {}
-    for node in device_nodes(sandbox):
+    for node in device_nodes(sandbox) if nodes is None else nodes:
         if found := by_number.get((node.major, node.minor)):
             seen.setdefault(found[0], set()).add(found[1])
     return seen

@@ -94,7 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--sim-mig",
         default="",
         metavar="LAYOUT",
-        help="With --sim-gpus: put GPUs in MIG mode, e.g. 0:7x1g.10gb,1:3x2g.20gb "
+        help="With --sim-gpus: put GPUs in MIG mode, e.g. 0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb "
         "(GPU position:count x profile).",
     )
     group.addoption(

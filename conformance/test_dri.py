@@ -8,6 +8,7 @@ import pytest
 
 from conformance.hold import HeldSandbox
 from conformance.observe import (
+    device_nodes,
     foreign_gpu_nodes,
     probed_dri,
     uuids,
@@ -44,9 +45,16 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
     assert sorted(uuids(sandbox)) == sorted(gpu.uuid for gpu in given), (
         f"asked for {[gpu.describe() for gpu in given]}; the driver reports {uuids(sandbox)}"
     )
-    seen = visible_dri(sandbox, driver)
+    nodes = device_nodes(sandbox)
+    seen = visible_dri(sandbox, driver, nodes)
     wanted = {gpu.pci_bus_id: {"card", "render"} for gpu in given}
     assert seen == wanted, f"given {sorted(wanted)}, the sandbox holds the DRI nodes of {seen}"
+    # Every other node a given GPU needs too (AMD's /dev/kfd for ROCm compute), by number.
+    held = {(node.major, node.minor) for node in nodes}
+    missing = sorted(
+        {node.path for gpu in given for node in gpu.nodes if (node.major, node.minor) not in held}
+    )
+    assert not missing, f"given {sorted(wanted)}, the sandbox lacks their nodes {missing}"
     probed = probed_dri(sandbox)
     if driver.host.simulated:
         assert probed == wanted, f"given {sorted(wanted)}, the probe inside reports {probed}"

@@ -21,6 +21,7 @@ from conformance.observe import (
 )
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
+from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
 from gpuhost.spec import SandboxSpec
 
@@ -69,8 +70,16 @@ def _expect_exhausted(
     assert elapsed <= bound_s, (
         f"GpusExhausted took {elapsed:.2f} s, more than a create plus the grace ({bound_s:.2f} s)"
     )
-    exc = outcome
-    assert (exc.requested, exc.available, exc.total) == (requested, available, total)
+    _assert_says(outcome, requested, available, total)
+
+
+def _assert_says(exc: GpusExhausted, requested: int, available: int, total: int) -> None:
+    __tracebackhide__ = True
+    said = (exc.requested, exc.available, exc.total)
+    assert said == (requested, available, total), (
+        f"GpusExhausted says {said} (requested, available, total), "
+        f"not {(requested, available, total)}: {exc}"
+    )
     for number in (requested, available, total):
         assert re.search(rf"\b{number}\b", str(exc)), f"the message does not say {number}: {exc}"
 
@@ -99,6 +108,40 @@ def test_more_than_free_fails_promptly_and_takes_nothing(
     # The failed request took nothing: the last free GPU is still there.
     sandboxes(SandboxSpec.with_gpus())
     _expect_exhausted(sandboxes, None, available=0, total=total, bound_s=bound_s)
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-EXHAUST-01")
+def test_each_pool_says_its_own_numbers(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """GpusExhausted MUST count the pool asked of: a MIG profile's instances, a vendor's GPUs."""
+    pools: dict[str, tuple[GpuDevice, ...]] = {}
+    block: dict[str, dict[str, str]] = {}
+    if driver.capabilities.mig_profiles:
+        for profile in sorted({mig.profile for mig in driver.host.mig_devices}):
+            pools[profile] = tuple(m for m in driver.host.mig_devices if m.profile == profile)
+            block[profile] = {"mig_profile": profile}
+    for vendor in sorted({gpu.vendor for gpu in driver.host.dri_gpus}):
+        if vendor in driver.capabilities.vendors:
+            pools[vendor] = tuple(g for g in driver.host.dri_gpus if g.vendor == vendor)
+            block[vendor] = {"vendor": vendor}
+    limit = driver.capabilities.max_gpus_per_sandbox
+    pools = {name: pool for name, pool in pools.items() if 2 <= len(pool) <= limit}
+    if not pools:
+        pytest.skip("needs MIG instances or AMD/Intel GPUs, two of a kind at least")
+    for name, pool in pools.items():
+        start = time.monotonic()
+        held = sandboxes(SandboxSpec.with_gpus(driver=driver.name, block=block[name]))
+        bound_s = time.monotonic() - start + _grace(driver, settings)
+        asked = SandboxSpec.with_gpus(len(pool), driver=driver.name, block=block[name])
+        outcome, _ = _create_within(sandboxes, asked, bound_s + 5)
+        assert isinstance(outcome, GpusExhausted), (
+            f"all {len(pool)} of {name} asked for while one is held: expected GpusExhausted, "
+            f"got {outcome!r}"
+        )
+        _assert_says(outcome, len(pool), len(pool) - 1, len(pool))
+        held.close()
 
 
 def _assert_fair_outcome(granted: list[list[str]], errors: list[BaseException], total: int) -> None:
@@ -158,6 +201,8 @@ def test_concurrent_creates_from_processes_never_share(
         for _ in range(total + 2)
     ]
     try:
+        for holder in holders:  # all imported and waiting: then all told at once
+            holder.wait_ready()
         for holder in holders:
             holder.send_go()
         replies = [holder.result() for holder in holders]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 import pytest
 
 from conformance.plugin import SandboxFactory
-from drivers.base import Driver
+from drivers.base import Driver, Sandbox
+from gpuhost.leases import LEASE_FILE
 from gpuhost.spec import SandboxSpec
 
 ENGINE_STATE = (
@@ -32,6 +35,90 @@ def _host_state_dirs(driver: Driver) -> list[Path]:
     if driver.host.simulated is not None:
         places.append(driver.host.simulated.root)
     return places
+
+
+EVERY_DIRECTORY = (
+    "find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o -type d -print 2>/dev/null"
+)
+
+
+def _write_in_each(name: str) -> str:
+    """A shell loop that writes ``name`` in each directory read from stdin, where it can."""
+    return f'while read -r d; do echo x > "$d/{name}"; done 2>/dev/null'
+
+
+def _private_places(driver: Driver) -> dict[Path, bool]:
+    """What no sandbox may mount whole, under any name: homes, /var/tmp, the lease registry.
+
+    True: nor any part of it. A part of a home may be a program's (a Python installed under
+    ~/.pyenv that a sandbox runs), a part of the registry's directory a sandbox's own (the
+    keepalive FIFO of a container); the lease file is no sandbox's.
+    """
+    registry = driver.host.leases.directory
+    return {
+        Path.home(): False,
+        Path("/var/tmp"): False,
+        registry: False,
+        registry / LEASE_FILE: True,
+    }
+
+
+@dataclass(frozen=True)
+class _Mount:
+    device: str
+    """``major:minor`` of the file system."""
+    root: str
+    """The path, within that file system, that is mounted."""
+    point: str
+
+
+def _mountinfo(text: str) -> list[_Mount]:
+    """/proc/<pid>/mountinfo's lines (proc(5)): mount ID, parent ID, device, root, point, ..."""
+    return [
+        _Mount(fields[2], _unescape(fields[3]), _unescape(fields[4]))
+        for fields in (line.split() for line in text.splitlines())
+        if len(fields) >= 5
+    ]
+
+
+def _unescape(path: str) -> str:
+    """Undo the octal escapes mountinfo writes for a space, a tab, a newline, a backslash."""
+    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal[1], 8)), path)
+
+
+def _where_on_its_file_system(path: Path, host: list[_Mount]) -> tuple[str, PurePosixPath]:
+    """The device ``path`` lives on, and its path within that file system."""
+    resolved = PurePosixPath(os.path.realpath(path))
+    mount = max((m for m in host if resolved.is_relative_to(m.point)), key=lambda m: len(m.point))
+    return mount.device, PurePosixPath(mount.root) / resolved.relative_to(mount.point)
+
+
+def _mounts_exposing(sandbox: Sandbox, places: dict[Path, bool]) -> list[str]:
+    """The sandbox's mounts that show one of ``places`` (or a part, where True), by any name.
+
+    Only where the sandbox runs on this kernel (a container, a namespace): a VM's device
+    numbers are its own kernel's.
+    """
+    inside = sandbox.exec(["cat", "/proc/sys/kernel/random/boot_id", "/proc/self/mountinfo"])
+    boot, _, table = inside.check().stdout.partition("\n")
+    if boot.strip() != Path("/proc/sys/kernel/random/boot_id").read_text().strip():
+        return []
+    host = _mountinfo(Path("/proc/self/mountinfo").read_text())
+    private = [
+        (*_where_on_its_file_system(place, host), any_part)
+        for place, any_part in places.items()
+        if place.exists()
+    ]
+    return sorted(
+        f"{mount.point} (mounts {mount.root} of {mount.device}, which holds {place})"
+        for mount in _mountinfo(table)
+        for (device, place, any_part) in private
+        if mount.device == device
+        and (
+            place.is_relative_to(mount.root)
+            or (any_part and PurePosixPath(mount.root).is_relative_to(place))
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -57,10 +144,8 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
     """A sandbox MUST see no file of another sandbox and none of the host's private state."""
     marker = f"gpu-sandbox-fs-probe-{uuid.uuid4().hex[:12]}"
     first = sandboxes(SandboxSpec())
-    # Where a sandbox writes: its /tmp, its working directory, its home.
-    first.exec(
-        ["sh", "-c", f'for d in /tmp "$PWD" "$HOME"; do echo x > "$d/{marker}-sandbox"; done; true']
-    )
+    # In every directory the sandbox can write to: /tmp, /dev/shm, its home, wherever.
+    first.exec(["sh", "-c", f"{EVERY_DIRECTORY} | {_write_in_each(f'{marker}-sandbox')}; true"])
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
         for second in (sandboxes(SandboxSpec()), sandboxes(SandboxSpec.with_gpus())):
@@ -74,6 +159,9 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
                 f"sandbox {second.id} sees files of another sandbox or of the host ({planted}): "
                 f"{found}"
             )
+            # Under any name: a mount of the host's private state is told by what it mounts.
+            exposed = _mounts_exposing(second, _private_places(driver))
+            assert exposed == [], f"sandbox {second.id} mounts the host's private state: {exposed}"
             listing = " ".join(f'[ -e {path} ] && echo "{path}";' for path in ENGINE_STATE)
             seen = second.exec(["sh", "-c", f"{listing} true"]).check().stdout.split()
             present = [path for path in ENGINE_STATE if os.path.exists(path)]

@@ -1,23 +1,27 @@
 """Host-wide exclusivity: GPUs held through the host's lease registry by anyone are not free.
 
-The holders are of other kinds than the driver under test: the lease protocol's client in
-POSIX sh (gpuhost/gpu-lease), a program of another language, and a reference sandbox made
-by another process. A driver with an allocator of its own passes every other requirement
-and fails this one.
+The holders are others than this run of the driver under test: the lease protocol's client
+in POSIX sh (gpuhost/gpu-lease), a program of another language; a holder of a kind that is
+not a process (as an engine's container is); a sandbox of the same driver made by another
+process for another session; and a reference sandbox made by another process. A driver
+with an allocator of its own passes every other requirement and fails this one; so does
+one that takes other sessions' leases, or leases it cannot judge, for leftovers.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from importlib import resources
+from uuid import uuid4
 
 import pytest
 
-from conformance.hold import HeldSandbox, close_all
+from conformance.hold import RUN_HOLDER, HeldSandbox, close_all
 from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
@@ -25,6 +29,7 @@ from drivers.reference import ReferenceDriver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.host import GpuHost
+from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec
 
 LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
@@ -59,25 +64,46 @@ def _held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]
 
 
 @contextmanager
-def _held_by_reference_sandboxes(
-    settings: Settings, session_id: str, gpus: list[GpuDevice]
-) -> Iterator[None]:
-    """Reference sandboxes, each made by another process, hold ``gpus`` (when bwrap can run)."""
-    reference = ReferenceDriver(settings.host, session_id)
-    if not gpus or not reference.probe().ok:
-        yield  # the sh client's holds carry the check alone
+def _held_under_a_kind_of_its_own(host: GpuHost, gpus: list[GpuDevice]) -> Iterator[None]:
+    """A lease whose holder is no process: only the holder kind's own check may judge it."""
+    if not gpus:
+        yield
         return
-    specs = [SandboxSpec.with_gpus(driver="reference", device_ids=[gpu.uuid]) for gpu in gpus]
-    others = [HeldSandbox.start(reference, settings.host_config, spec) for spec in specs]
+    owner = LeaseOwner(
+        driver="scheduler", sandbox_id=f"job-{time.time_ns()}", session_id=f"other-{uuid4().hex}",
+        holder=Holder(RUN_HOLDER, Holder.process(os.getpid()).ref),
+    )  # fmt: skip
+    host.leases.acquire(gpus, owner, exact=gpus)
+    try:
+        yield
+    finally:
+        host.leases.release(owner.sandbox_id)
+
+
+@contextmanager
+def _held_by_other_processes(
+    settings: Settings, holder: Driver, gpus: list[GpuDevice]
+) -> Iterator[None]:
+    """Sandboxes of ``holder``, each made by another process, hold ``gpus``."""
+    if not gpus or not holder.probe().ok:
+        yield  # the other holders carry the check alone
+        return
+    specs = [
+        SandboxSpec.with_gpus(driver=holder.name, device_ids=[holder.device_ids(gpu)[0]])
+        for gpu in gpus
+    ]
+    others = [HeldSandbox.start(holder, settings.host_config, spec) for spec in specs]
     try:
         for other in others:
             other.send_go()
         for gpu, other in zip(gpus, others, strict=True):
             reply = other.result()
-            assert reply["ok"], f"a reference sandbox could not take {gpu.describe()}: {reply}"
+            assert reply["ok"], f"a {holder.name} sandbox could not take {gpu.describe()}: {reply}"
         yield
     finally:
         close_all(others)
+        if holder.session_id != settings.session_id:  # another run's: reaped as it would be
+            holder.reap(holder.session_id)
 
 
 @pytest.mark.exclusive
@@ -87,16 +113,24 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
 ) -> None:
     """GPUs held by other drivers and processes MUST never be granted, by any kind of request."""
     inventory = driver.inventory()
-    held = list(inventory[::2])  # every other GPU: not only the lowest ones
+    # The same driver in another session (another run), when it takes exact IDs.
+    same = type(driver)(settings.host, f"other-{uuid4().hex}", driver.image)
+    kinds = 4 if driver.capabilities.exact_ids else 3
+    # Every other GPU (not only the lowest ones), a GPU for each kind of holder at least,
+    # and one GPU free at least.
+    wanted = min(max(len(inventory[::2]), kinds), len(inventory) - 1)
+    held = [*inventory[::2], *inventory[1::2][::-1]][: max(wanted, 1)]
     free = [gpu for gpu in inventory if gpu not in held]
     held_ids = {gpu.uuid for gpu in held}
+    share = [held[i::kinds] for i in range(kinds)]
     with ExitStack() as holders:
-        sh_held = held[: max(1, len(held) // 2)]
         # The host's own registry, whatever the driver under test made of it.
-        holders.enter_context(_held_by_the_sh_client(settings.host, driver.session_id, sh_held))
-        holders.enter_context(
-            _held_by_reference_sandboxes(settings, driver.session_id, held[len(sh_held) :])
-        )
+        holders.enter_context(_held_by_the_sh_client(settings.host, driver.session_id, share[0]))
+        holders.enter_context(_held_under_a_kind_of_its_own(settings.host, share[1]))
+        reference = ReferenceDriver(settings.host, driver.session_id)
+        holders.enter_context(_held_by_other_processes(settings, reference, share[2]))
+        if kinds == 4:
+            holders.enter_context(_held_by_other_processes(settings, same, share[3]))
 
         # Default requests, side by side, until none is left.
         got = []

@@ -7,10 +7,16 @@ import time
 import pytest
 
 from conformance.hold import HeldSandbox, reap_from_a_fresh_process
-from conformance.observe import assert_all_gpus_grantable, specs_for_all_gpus, uuids
+from conformance.observe import (
+    assert_all_gpus_grantable,
+    specs_for_all_gpus,
+    specs_for_gpus,
+    uuids,
+)
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.errors import ExecTimeout, GpusExhausted
+from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec
 from gpuhost.wait import wait_until
 
@@ -122,10 +128,13 @@ def test_reap_from_a_fresh_process_after_the_creator_crashed(
     """Reap MUST find a session's sandboxes from a process that created none of them."""
     session = f"reap-fresh-{time.time_ns()}"
     theirs = type(driver)(driver.host, session, driver.image)
-    with HeldSandbox.start(theirs, settings.host_config, _biggest_request(driver)) as held:
+    # All GPUs but one: the one left for what a creator stopped half-way leaves.
+    spec = specs_for_gpus(driver, max(1, len(driver.inventory()) - 1))[0]
+    with HeldSandbox.start(theirs, settings.host_config, spec) as held:
         reply = held.go()
         assert reply["ok"], f"the creating process could not make its sandbox: {reply}"
         if creator == "stopped":
+            _half_made(driver, session, held.process.pid)
             held.stop()
         else:
             held.kill()
@@ -133,9 +142,28 @@ def test_reap_from_a_fresh_process_after_the_creator_crashed(
             reap_from_a_fresh_process(driver, settings.host_config, session)
             left = driver.sandboxes(session)
             assert left == [], f"reaped from a fresh process, session {session} still has {left}"
+            leases = driver.host.leases.leases()
+            kept = [lease.describe() for lease in leases if lease.session_id == session]
+            assert kept == [], f"reaped from a fresh process, session {session} still has {kept}"
             assert_all_gpus_grantable(driver, after=f"reaping session {session} afresh")
         finally:
             held.kill()
+
+
+def _half_made(driver: Driver, session: str, creator_pid: int) -> None:
+    """The lease a creator stopped between taking a GPU and starting its sandbox leaves.
+
+    Only for a driver that leases through the host registry (its sandbox's leases are
+    there), and where a GPU is still free.
+    """
+    taken = [lease for lease in driver.host.leases.leases() if lease.session_id == session]
+    free = driver.host.leases.free(driver.inventory())
+    if not taken or not free:
+        return
+    owner = LeaseOwner(
+        taken[0].driver, f"{session}-half-made", session, Holder.process(creator_pid)
+    )
+    driver.host.leases.acquire(free, owner, count=1)
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")
@@ -144,6 +172,9 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
     sandbox = sandboxes(SandboxSpec())
     result = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    # Byte for byte: carriage returns (progress bars, CRLF logs) are not newlines.
+    crlf = sandbox.exec(["sh", "-c", "printf 'o\\r\\nu\\rt'; printf 'e\\r\\nr\\rr' >&2"])
+    assert (crlf.stdout, crlf.stderr) == ("o\r\nu\rt", "e\r\nr\rr"), "the output was rewritten"
     # Long output, on both streams at once, comes back whole and apart.
     script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
     long = sandbox.exec(["sh", "-c", script])
@@ -157,12 +188,14 @@ def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> Non
     """Exec MUST kill a command that outlives its timeout, with all it started."""
     sandbox = sandboxes(SandboxSpec())
     # Unique arguments find these processes later; one escapes into a session of its own.
+    # The command keeps printing for 12 s: the timeout bounds its whole run, not a silence.
     marker = f"{60 + time.time_ns() % 1000 / 1000:.3f}"
-    script = f"setsid sleep {marker} & exec sleep {marker}"
+    chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
+    script = f"setsid sleep {marker} & {chatty}"
     start = time.monotonic()
     with pytest.raises(ExecTimeout):
         sandbox.exec(["sh", "-c", script], timeout=1)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 10
     # A zombie's cmdline is empty: only processes still running are listed.
     listing = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"
     survivors = [

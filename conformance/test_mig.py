@@ -21,7 +21,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SandboxSpec
 
-MIG_HINT = "a simulated host gets some with --sim-mig=0:7x1g.10gb,1:3x2g.20gb"
+MIG_HINT = "a simulated host gets some with --sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb"
 
 
 def _instances(driver: Driver) -> tuple[GpuDevice, ...]:
@@ -98,6 +98,17 @@ def test_profile_counts_get_free_instances_of_the_profile(
     profiles = collections.Counter(mig.profile for mig in instances)
     for profile, total in profiles.most_common():
         of_profile = {mig.uuid for mig in instances if mig.profile == profile}
+        # More than any one GPU has of the profile: the instances of several GPUs together.
+        per_gpu = collections.Counter(m.parent_uuid for m in instances if m.profile == profile)
+        wide = max(per_gpu.values()) + 1
+        if len(per_gpu) >= 2 and wide <= driver.capabilities.max_gpus_per_sandbox:
+            sandbox = sandboxes(_profile(driver, profile, wide))
+            got = uuids(sandbox)
+            asked = f"{wide} {profile} instances asked for, of {dict(per_gpu)} on their GPUs"
+            assert len(set(got)) == wide, f"{asked}; got {got}"
+            assert set(got) <= of_profile, f"{asked}; got {got}"
+            _assert_sees_exactly(list(sandbox.gpus), sandbox, asked)
+            sandbox.close()
         held = sandboxes(_profile(driver, profile))
         assert len(held.gpus) == 1, f"one {profile} instance asked for; got {held.gpus}"
         assert uuids(held)[0] in of_profile, f"not a {profile} instance: {held.gpus}"
@@ -138,7 +149,9 @@ def test_requests_without_a_profile_never_get_a_gpu_in_mig_mode(
     whole = [gpu for gpu in driver.host.gpus if not gpu.mig_enabled]
     if not whole:
         pytest.skip("needs a GPU not in MIG mode beside those in MIG mode")
-    got = [uuids(sandboxes(SandboxSpec.with_gpus())) for _ in range(min(2, len(whole)))]
+    # Plain, and naming NVIDIA as the vendor: in MIG mode a GPU is no NVIDIA GPU to count.
+    nvidia = SandboxSpec.with_gpus(driver=driver.name, block={"vendor": "nvidia"})
+    got = [uuids(sandboxes(spec)) for spec in [SandboxSpec.with_gpus(), nvidia][: len(whole)]]
     left = len(whole) - len(got)
     while left > 0:
         count = min(left, driver.capabilities.max_gpus_per_sandbox)

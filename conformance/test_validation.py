@@ -26,7 +26,7 @@ from gpuhost.errors import (
     UnknownGpuDevice,
     UnsupportedGpuRequest,
 )
-from gpuhost.spec import parse_spec
+from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, parse_spec
 
 
 @dataclass(frozen=True)
@@ -64,21 +64,25 @@ OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: a block for any of them is not ours."""
 
 
-def _other(driver: Driver, name: str) -> str:
-    """``name``, or another driver's name when ``name`` is the driver under test's own."""
-    return name if name != driver.name else "not-this-driver"
+def _other(driver: Driver, name: str, key: str = DEVICE_IDS_KEY) -> str:
+    """``name``, or when that is the driver under test's own, another that reads ``key``."""
+    if name != driver.name:
+        return name
+    readers = [n for n, keys in DEVICE_IDS_ALIASES.items() if key in keys and n != driver.name]
+    return readers[0] if key != DEVICE_IDS_KEY and readers else "not-this-driver"
 
 
-def _only_for(name: str) -> BadRequest:
+def _only_for(name: str, key: str = DEVICE_IDS_KEY) -> BadRequest:
     """Exact IDs, valid for the driver under test, but only in another driver's block."""
 
     def build(driver: Driver) -> dict[str, Any]:
         ids = driver.device_ids(driver.inventory()[0])[:1] if driver.inventory() else ()
-        block = {"gpu_device_ids": list(ids) or ["0"]}
-        return {"resource_requirements": _gpu(), "driver_config": {_other(driver, name): block}}
+        block = {key: list(ids) or ["0"]}
+        config = {_other(driver, name, key): block}
+        return {"resource_requirements": _gpu(), "driver_config": config}
 
     return BadRequest(
-        build, InvalidDriverConfig, lambda driver: _other(driver, name), field="driver_config"
+        build, InvalidDriverConfig, lambda driver: _other(driver, name, key), field="driver_config"
     )
 
 
@@ -129,6 +133,12 @@ CONFIG_ERRORS = {
         field="driver_config.{driver}.gpu_device_ids",
     ),
     **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
+    # Under each other name a driver reads its device IDs by, too.
+    **{
+        f"block-for-{name}-only-as-{key}": _only_for(name, key)
+        for name, keys in DEVICE_IDS_ALIASES.items()
+        for key in keys
+    },
 }
 
 COUNT = "resource_requirements.gpu.count"
@@ -158,6 +168,12 @@ COUNT_ERRORS = {
         lambda d: "got 'two'",
         field=COUNT,
     ),
+    "numeric-string": BadRequest(
+        lambda d: {"resource_requirements": _gpu("2")},
+        InvalidGpuCount,
+        lambda d: "got '2'",
+        field=COUNT,
+    ),
     "boolean": BadRequest(
         lambda d: {"resource_requirements": _gpu(True)},
         InvalidGpuCount,
@@ -177,6 +193,17 @@ COUNT_ERRORS = {
         field=COUNT,
     ),
 }
+
+
+def _past_the_last(driver: Driver) -> str:
+    """The first index that names no GPU (the host's GPU count), in the driver's index form."""
+    gpu = max(driver.inventory(), key=lambda gpu: gpu.index)
+    first, index = driver.device_ids(gpu)[0], str(gpu.index)
+    past = str(max(g.index for g in driver.host.gpus) + 1)
+    if first == index or first.endswith(f"={index}"):  # a bare index, or a CDI name's
+        return first.removesuffix(index) + past
+    return "no-such-gpu-1"  # no index form (a PCI address): any unknown name will do
+
 
 ID_ERRORS = {
     "duplicate": BadRequest(
@@ -221,6 +248,13 @@ ID_ERRORS = {
         lambda d: _ids(d, [str(len(d.inventory()) + 10)]),
         UnknownGpuDevice,
         lambda d: str(len(d.inventory()) + 10),
+        needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
+    ),
+    "index-one-past-the-last": BadRequest(
+        lambda d: _ids(d, [_past_the_last(d)]),
+        UnknownGpuDevice,
+        _past_the_last,
         needs_exact_ids=True,
         field="driver_config.{driver}.gpu_device_ids",
     ),

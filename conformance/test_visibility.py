@@ -15,7 +15,7 @@ from conformance.observe import (
 )
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import SHARED, SandboxSpec
 
 
 @pytest.mark.requirement("GPU-NONE-01")
@@ -69,6 +69,14 @@ def test_count_request_sees_exactly_n_distinct_gpus(
         assert len(set(uuids(pair))) == 2
         assert not set(uuids(pair)) & set(held), f"{held} is held; a count of 2 got {uuids(pair)}"
         assert sorted(visible_gpu_uuids(pair)) == sorted(uuids(pair))
+        if driver.capabilities.shared:
+            # Shared, a count is as many distinct GPUs: never one GPU co-held twice.
+            pair.close()
+            shared = sandboxes(SandboxSpec.with_gpus(2, sharing=SHARED))
+            got = uuids(shared)
+            assert len(set(got)) == 2, f"a shared count of 2 got {got}"
+            assert not set(got) & set(held), f"{held} is held exclusively; shared got {got}"
+            assert sorted(visible_gpu_uuids(shared)) == sorted(got)
 
 
 @pytest.mark.requirement("GPU-ISOLATION-01")

@@ -38,7 +38,14 @@ from drivers.base import (
 )
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
-from gpuhost.leases import Holder, LeaseRegistry, process_start_time
+from gpuhost.leases import (
+    PROCESS,
+    Holder,
+    LeaseRegistry,
+    boot_id,
+    process_running,
+    process_start_time,
+)
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
@@ -324,7 +331,11 @@ class ReferenceSandbox(Sandbox):
         leases: LeaseRegistry,
         close_timeout_s: float = CLOSE_TIMEOUT_S,
     ) -> None:
-        super().__init__(sandbox_id, driver, gpus, Holder.process(process.pid), leases)
+        # The holder is the sandbox's pid 1: the kernel ends it only after every other
+        # process of the sandbox, so while it runs, the GPUs may still be in use. bwrap itself
+        # may exit (or be killed) before that.
+        holder = Holder(PROCESS, f"{boot_id()}:{child_pid}:{child_start}")
+        super().__init__(sandbox_id, driver, gpus, holder, leases)
         self._process = process
         self._child_pid = child_pid
         self._child_start = child_start
@@ -333,7 +344,7 @@ class ReferenceSandbox(Sandbox):
 
     @property
     def pid(self) -> int:
-        """The host pid of the sandbox's bwrap process, the holder of its GPU leases."""
+        """The host pid of the sandbox's bwrap process."""
         return self._process.pid
 
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
@@ -425,6 +436,15 @@ class ReferenceSandbox(Sandbox):
                 self._process.wait(self._close_timeout_s)
         finally:
             stop_process(self._process)
+        # bwrap exits once the init has, while its pid 1 in the sandbox may still be reaping
+        # the rest: gone means that one too (reap and a fresh process's listing look for it).
+        wait_for(
+            lambda: process_running(self._child_pid, self._child_start),
+            lambda running: not running,
+            timeout_s=self._close_timeout_s,
+            what=f"the pid 1 of sandbox {self.id} (pid {self._child_pid}) to exit",
+            interval_s=0.002,
+        )
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)

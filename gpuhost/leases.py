@@ -118,10 +118,13 @@ def _process_alive(holder: Holder) -> bool:
         pid_number = int(pid)
     except ValueError:
         return True  # not ours to judge: never take a GPU back on a guess
-    if holder_boot != boot_id():
-        return False
+    return holder_boot == boot_id() and process_running(pid_number, start)
+
+
+def process_running(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs (a zombie does not)."""
     try:
-        fields = _stat_fields(pid_number)
+        fields = _stat_fields(pid)
     except (FileNotFoundError, ProcessLookupError):  # gone, or exiting as we read
         return False
     except OSError:  # hidden from us (/proc mounted with hidepid): not proof it is gone

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import os
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -25,6 +26,7 @@ from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
+    ExecTimeout,
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
@@ -33,12 +35,15 @@ from gpuhost.host import GpuHost
 from gpuhost.leases import (
     DEFAULT_SHARE_LIMIT,
     EXCLUSIVE,
+    LEASE_FILE,
+    PROCESS,
     Holder,
     Lease,
     LeaseOwner,
     LeaseRegistry,
 )
-from gpuhost.spec import SHARED, DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.spec import DEVICE_IDS_KEY, SHARED, DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.wait import wait_for
 
 
 class BrokenDriver(ReferenceDriver):
@@ -696,6 +701,237 @@ class DriUnleased(BrokenDriver):
         if plan.gpus and all(gpu.vendor != "nvidia" for gpu in plan.gpus):
             return plan.gpus
         return super().allocate(sandbox_id, plan)
+
+
+# -- defects of the general case: other sessions, other holder kinds, pools, forms ---------
+
+
+class ReclaimsOtherSessions(BrokenDriver):
+    """Drops its own driver's leases of other sessions, taken for leftovers of crashed runs."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        for lease in self.host.leases.leases():
+            if lease.driver == self.name and lease.session_id != self.session_id:
+                self.host.leases.release(lease.sandbox_id)
+        return super().allocate(sandbox_id, plan)
+
+
+class ReclaimsNonProcessHolders(BrokenDriver):
+    """Takes leases whose holders are no process (a container, a VM) for stale, and drops them."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        for lease in self.host.leases.leases():
+            if lease.holder.kind != PROCESS:
+                self.host.leases.release(lease.sandbox_id)
+        return super().allocate(sandbox_id, plan)
+
+
+class MigProfileFromFirstGpu(BrokenDriver):
+    """Serves a MIG profile count from the first GPU that has the profile, never from two."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        found = super().pool(plan)
+        if plan.mig_profile is None or not found:
+            return found
+        return tuple(mig for mig in found if mig.parent_uuid == found[0].parent_uuid)
+
+
+class VendorPoolIncludesMig(BrokenDriver):
+    """With a vendor named, chooses among all of its GPUs: NVIDIA's in MIG mode too."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.vendor is not None and plan.mig_profile is None:
+            return tuple(gpu for gpu in self.exact_devices() if gpu.vendor == plan.vendor)
+        return super().pool(plan)
+
+
+class AmdWithoutKfd(BrokenDriver):
+    """Gives AMD GPUs their card and render nodes but not /dev/kfd: no ROCm compute."""
+
+    BREAKS = "DRI-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        no_kfd = [
+            dataclasses.replace(gpu, nodes=tuple(n for n in gpu.nodes if n.path != "/dev/kfd"))
+            for gpu in gpus
+        ]
+        return super().bwrap_argv(sandbox_id, no_kfd)
+
+
+class SessionSharedShm(BrokenDriver):
+    """Gives a session's sandboxes one /dev/shm of the host (for NCCL across sandboxes)."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        shm = self.host.leases.directory.parent / f"shm-{self.session_id}"
+        shm.mkdir(exist_ok=True)
+        return [*argv[:-2], "--bind", str(shm), "/dev/shm", *argv[-2:]]
+
+
+class LeaseFileInside(BrokenDriver):
+    """Binds the host's lease file into every sandbox, read-only, for tools to show holders."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        registry = str(self.host.leases.directory / LEASE_FILE)
+        return [*argv[:-2], "--ro-bind-try", registry, "/run/gpu/leases.json", *argv[-2:]]
+
+
+class _IdleTimeoutSandbox(ReferenceSandbox):
+    def _run(
+        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
+    ) -> tuple[int, bytes, bytes]:
+        if stdout != subprocess.PIPE or stderr != subprocess.PIPE:
+            return super()._run(argv, stdout, stderr, timeout)
+        # The command under a shell in the sandbox that kills it after `timeout` of silence.
+        watched = ["sh", "-c", _IDLE_WATCH, "sh", str(max(1, round(timeout))), *argv]
+        returncode, out, err = super()._run(watched, stdout, stderr, DEFAULT_EXEC_TIMEOUT_S)
+        if returncode == _SILENT_TOO_LONG:
+            raise ExecTimeout(argv, timeout)
+        return returncode, out, err
+
+
+_SILENT_TOO_LONG = 231
+_IDLE_WATCH = f"""
+t=$1; shift; o=$(mktemp); e=$(mktemp); "$@" >"$o" 2>"$e" & pid=$!; size=-1; last=$(date +%s)
+while kill -0 $pid 2>/dev/null; do
+  now=$(cat "$o" "$e" | wc -c)
+  if [ "$now" != "$size" ]; then size=$now; last=$(date +%s); fi
+  if [ $(( $(date +%s) - last )) -ge "$t" ]; then kill -9 $pid; exit {_SILENT_TOO_LONG}; fi
+  sleep 0.1
+done
+wait $pid; rc=$?; cat "$o"; cat "$e" >&2; exit $rc
+"""
+
+
+class ExecIdleTimeout(BrokenDriver):
+    """exec's timeout counts silence, not time: a command that keeps printing runs on."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _IdleTimeoutSandbox
+
+
+class _TextModeSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        result = super().exec(argv, timeout)
+
+        def text(out: str) -> str:  # what subprocess.run(text=True) does: universal newlines
+            return out.replace("\r\n", "\n").replace("\r", "\n")
+
+        return dataclasses.replace(result, stdout=text(result.stdout), stderr=text(result.stderr))
+
+
+class ExecUniversalNewlines(BrokenDriver):
+    """exec decodes output in text mode: each CR LF and lone CR comes back as an LF."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TextModeSandbox
+
+
+class OneAtATime(BrokenDriver):
+    """Leases a count one GPU at a time: a shared count lands N times on one GPU."""
+
+    BREAKS = "GPU-COUNT-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.device_ids or plan.count == 1:
+            return super().allocate(sandbox_id, plan)
+        granted: list[GpuDevice] = []
+        try:
+            for _ in range(plan.count):
+                granted += super().allocate(sandbox_id, dataclasses.replace(plan, count=1))
+        except BaseException:
+            self.host.leases.release(sandbox_id)
+            raise
+        return tuple(granted)
+
+
+class ExhaustedCountsDefaultPool(BrokenDriver):
+    """GpusExhausted counts the default GPUs, whichever pool (MIG profile, vendor) was asked."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().allocate(sandbox_id, plan)
+        except GpusExhausted:
+            inventory = self.inventory()
+            free = self.host.leases.free(inventory)
+            raise GpusExhausted(plan.count, len(free), len(inventory)) from None
+
+
+class MissesAliasInOtherBlock(BrokenDriver):
+    """Knows another driver's block names devices by gpu_device_ids only, not by its alias."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        config = {
+            name: block
+            for name, block in spec.driver_config.items()
+            if name == self.name or DEVICE_IDS_KEY in block
+        }
+        return super().plan(dataclasses.replace(spec, driver_config=config))
+
+
+class CoercesCount(BrokenDriver):
+    """Takes a count of "2" for 2 instead of refusing it with InvalidGpuCount."""
+
+    BREAKS = "GPU-VALIDATE-02"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        gpu = spec.gpu
+        if gpu is not None and isinstance(gpu.count, str) and gpu.count.isdigit():
+            spec = dataclasses.replace(spec, gpu=dataclasses.replace(gpu, count=int(gpu.count)))
+        return super().plan(spec)
+
+
+class IndexBoundOffByOne(BrokenDriver):
+    """Checks an index ID with > instead of >=: the first index past the last is an IndexError."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        ids = []
+        for device_id in plan.device_ids:
+            if device_id.isdigit() and int(device_id) <= len(self.host.gpus):
+                device_id = self.host.gpus[int(device_id)].uuid  # IndexError at len()
+            ids.append(device_id)
+        return super().resolve(dataclasses.replace(plan, device_ids=tuple(ids)))
+
+
+class ReapReleasesOnlyFound(BrokenDriver):
+    """reap releases the leases of the sandboxes it finds running, not all of the session's."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        found = reference._bwrap_processes(session_id)
+        for _, pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        wait_for(
+            lambda: reference._bwrap_processes(session_id),
+            lambda left: not left,
+            timeout_s=10,
+            what=f"the sandboxes of session {session_id} to exit",
+        )
+        found_ids = sorted({sandbox_id for sandbox_id, _ in found})
+        for sandbox_id in found_ids:
+            self.host.leases.release(sandbox_id)
+        return found_ids
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(

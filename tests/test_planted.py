@@ -25,7 +25,7 @@ def golden_ids() -> set[str]:
     return {i for i in ids if not i.startswith(REQUIREMENT_PREFIX)}
 
 
-MIG_LAYOUT = simulated.parse_mig_layout("0:7x1g.10gb,1:3x2g.20gb")
+MIG_LAYOUT = simulated.parse_mig_layout("0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb")
 DRI_LAYOUT = simulated.parse_dri_layout("intel:1,amd:2")
 
 

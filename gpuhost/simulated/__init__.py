@@ -20,7 +20,7 @@
 
 Optionally (``mig``, ``dri``), as real hosts have them:
 
-- MIG instances on some GPUs (``--mig 0:7x1g.10gb,1:3x2g.20gb``): the GPU is in MIG mode;
+- MIG instances on some GPUs (``--mig 0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb``): the GPU is in MIG mode;
   each instance has a UUID, a profile, and the nvidia-caps nodes of its GPU and compute
   instance (``dev/nvidia-caps/nvidia-cap<minor>``, minors as in the driver's
   ``/proc/driver/nvidia-caps/mig-minors``, written to ``share/mig-minors``); the stand-in
@@ -202,7 +202,10 @@ def setup(
 
 
 def parse_mig_layout(text: str) -> dict[int, list[str]]:
-    """``0:7x1g.10gb,1:3x2g.20gb`` (GPU position:count x profile, repeatable) as a layout."""
+    """``0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb`` (GPU position:count x profile) as a layout.
+
+    A GPU may be named again: its instances add up (GPU 1 there has three 2g and one 1g).
+    """
     layout: dict[int, list[str]] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         match = re.fullmatch(r"(?P<gpu>\d+):(?:(?P<count>\d+)x)?(?P<profile>\S+)", entry)

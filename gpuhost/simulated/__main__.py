@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also register the CDI spec here for the container engines (e.g. /var/run/cdi)",
     )
     parser.add_argument(
-        "--mig", default="", help="MIG instances, e.g. 0:7x1g.10gb,1:3x2g.20gb (GPU:NxPROFILE)"
+        "--mig",
+        default="",
+        help="MIG instances, e.g. 0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb (GPU:NxPROFILE)",
     )
     parser.add_argument("--dri", default="", help="DRI GPUs of other vendors, e.g. intel:1,amd:2")
     parser.add_argument(
