@@ -177,6 +177,8 @@ MARKERS = (
     "exclusive=False",
     "shares_gpus: checks how shared GPUs are held; not applicable to a driver that declares "
     "shared=False (GPU-SHARED-01 checks that it refuses them)",
+    "chooses_pools: checks requests by MIG profile or by vendor; not applicable to a driver "
+    "that serves neither (no mig_profiles, NVIDIA alone among its vendors)",
     "workload: runs compute kernels inside the sandbox",
 )
 TEST_TIMEOUT_S = 900.0
@@ -456,6 +458,11 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
         _not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
     if request.node.get_closest_marker("shares_gpus") and not driver.capabilities.shared:
         _not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
+    pools = driver.capabilities.mig_profiles or set(driver.capabilities.vendors) - {"nvidia"}
+    if request.node.get_closest_marker("chooses_pools") and not pools:
+        _not_applicable(
+            request.node, f"the {driver.name} driver serves no MIG profile and no other vendor"
+        )
     marker = request.node.get_closest_marker("gpus")
     have = len(driver.inventory())
     if marker is not None and have < marker.args[0]:

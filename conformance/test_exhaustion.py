@@ -111,6 +111,7 @@ def test_more_than_free_fails_promptly_and_takes_nothing(
 
 
 @pytest.mark.exclusive
+@pytest.mark.chooses_pools
 @pytest.mark.requirement("GPU-EXHAUST-01")
 def test_each_pool_says_its_own_numbers(
     driver: Driver, sandboxes: SandboxFactory, settings: Settings

@@ -31,10 +31,17 @@ ENGINE_STATE = (
 
 def _host_state_dirs(driver: Driver) -> list[Path]:
     """Places on the host that are private to it: its GPU state, homes, its /run and /var."""
-    places = [driver.host.leases.directory, Path.home(), Path("/var/tmp"), Path("/run")]
+    places = [driver.host.leases.directory, *_homes(), Path("/var/tmp"), Path("/run")]
     if driver.host.simulated is not None:
         places.append(driver.host.simulated.root)
     return places
+
+
+def _homes() -> list[Path]:
+    """The current user's home, /home and every home under it."""
+    home = Path("/home")
+    others = sorted(p for p in home.iterdir() if p.is_dir()) if home.is_dir() else []
+    return list(dict.fromkeys([Path.home(), home, *others]))
 
 
 EVERY_DIRECTORY = (
@@ -55,12 +62,8 @@ def _private_places(driver: Driver) -> dict[Path, bool]:
     keepalive FIFO of a container); the lease file is no sandbox's.
     """
     registry = driver.host.leases.directory
-    return {
-        Path.home(): False,
-        Path("/var/tmp"): False,
-        registry: False,
-        registry / LEASE_FILE: True,
-    }
+    whole = [*_homes(), Path("/var/tmp"), registry]
+    return {**dict.fromkeys(whole, False), registry / LEASE_FILE: True}
 
 
 @dataclass(frozen=True)
@@ -143,9 +146,12 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
 ) -> None:
     """A sandbox MUST see no file of another sandbox and none of the host's private state."""
     marker = f"gpu-sandbox-fs-probe-{uuid.uuid4().hex[:12]}"
-    first = sandboxes(SandboxSpec())
-    # In every directory the sandbox can write to: /tmp, /dev/shm, its home, wherever.
-    first.exec(["sh", "-c", f"{EVERY_DIRECTORY} | {_write_in_each(f'{marker}-sandbox')}; true"])
+    # In every directory a sandbox can write to: /tmp, /dev/shm, its home, wherever; one with
+    # a GPU too (a cache shared by GPU sandboxes is a file of another sandbox), closed after.
+    write = f"{EVERY_DIRECTORY} | {_write_in_each(f'{marker}-sandbox')}; true"
+    sandboxes(SandboxSpec()).exec(["sh", "-c", write])
+    with sandboxes(SandboxSpec.with_gpus()) as gpu_writer:
+        gpu_writer.exec(["sh", "-c", write])
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
         for second in (sandboxes(SandboxSpec()), sandboxes(SandboxSpec.with_gpus())):

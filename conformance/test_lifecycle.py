@@ -81,6 +81,10 @@ def test_killed_sandbox_gpus_are_reclaimed(
     assert victim.id not in driver.sandboxes(driver.session_id), (
         f"the killed sandbox {victim.id} still exists, yet its GPUs were handed out again"
     )
+    # Closing the dead sandbox gives back nothing of what its successor now holds.
+    victim.close()
+    with pytest.raises(GpusExhausted):
+        sandboxes(SandboxSpec.with_gpus())
 
 
 @pytest.mark.requirement("GPU-RECLAIM-02")
@@ -134,7 +138,7 @@ def test_reap_from_a_fresh_process_after_the_creator_crashed(
         reply = held.go()
         assert reply["ok"], f"the creating process could not make its sandbox: {reply}"
         if creator == "stopped":
-            _half_made(driver, session, held.process.pid)
+            _half_made(driver, session, held.process.pid, reply["gpus"])
             held.stop()
         else:
             held.kill()
@@ -150,13 +154,19 @@ def test_reap_from_a_fresh_process_after_the_creator_crashed(
             held.kill()
 
 
-def _half_made(driver: Driver, session: str, creator_pid: int) -> None:
+def _half_made(driver: Driver, session: str, creator_pid: int, gpus: list[str]) -> None:
     """The lease a creator stopped between taking a GPU and starting its sandbox leaves.
 
-    Only for a driver that leases through the host registry (its sandbox's leases are
-    there), and where a GPU is still free.
+    Only for a driver that leases through the host registry (its sandbox's leases, on
+    ``gpus``, are there: they must name the session, or no reap finds such a lease), and
+    where a GPU is still free.
     """
-    taken = [lease for lease in driver.host.leases.leases() if lease.session_id == session]
+    taken = [lease for lease in driver.host.leases.leases() if lease.gpu_uuid in gpus]
+    for lease in taken:
+        assert lease.session_id == session, (
+            f"the lease of {lease.describe()} names session {lease.session_id!r}, not "
+            f"{session!r}: a reap of the session after a crash cannot find it"
+        )
     free = driver.host.leases.free(driver.inventory())
     if not taken or not free:
         return
@@ -175,6 +185,11 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
     # Byte for byte: carriage returns (progress bars, CRLF logs) are not newlines.
     crlf = sandbox.exec(["sh", "-c", "printf 'o\\r\\nu\\rt'; printf 'e\\r\\nr\\rr' >&2"])
     assert (crlf.stdout, crlf.stderr) == ("o\r\nu\rt", "e\r\nr\rr"), "the output was rewritten"
+    # Exit codes past 128 as the command gave them.
+    assert sandbox.exec(["sh", "-c", "exit 130"]).returncode == 130
+    # UTF-8 decoded whole: "a" then 3000 two-byte characters, split at every 4 KiB boundary.
+    utf8 = "printf a; i=0; while [ $i -lt 3000 ]; do printf '\\303\\251'; i=$((i + 1)); done"
+    assert sandbox.exec(["sh", "-c", utf8]).stdout == "a" + "\u00e9" * 3000, "UTF-8 was cut"
     # Long output, on both streams at once, comes back whole and apart.
     script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
     long = sandbox.exec(["sh", "-c", script])
@@ -193,8 +208,8 @@ def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> Non
     chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
     script = f"setsid sleep {marker} & {chatty}"
     start = time.monotonic()
-    with pytest.raises(ExecTimeout):
-        sandbox.exec(["sh", "-c", script], timeout=1)
+    with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
+        sandbox.exec(["sh", "-c", script], timeout=0.5)
     assert time.monotonic() - start < 10
     # A zombie's cmdline is empty: only processes still running are listed.
     listing = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"

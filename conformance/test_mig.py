@@ -128,14 +128,16 @@ def test_profile_counts_get_free_instances_of_the_profile(
             sandboxes(_profile(driver, profile))
         for sandbox in list(sandboxes.open):
             sandbox.close()
-    expect_refusal(
-        driver,
-        sandboxes,
-        _profile(driver, "9g.999gb"),
-        UnsupportedGpuRequest,
-        field=f"driver_config.{driver.name}.mig_profile",
-        value="9g.999gb",
-    )
+    # A profile the host lacks, and the start of one it has: profiles are names, not prefixes.
+    for missing in ("9g.999gb", instances[0].profile.split(".")[0]):
+        expect_refusal(
+            driver,
+            sandboxes,
+            _profile(driver, missing),
+            UnsupportedGpuRequest,
+            field=f"driver_config.{driver.name}.mig_profile",
+            value=missing,
+        )
 
 
 @pytest.mark.exclusive
@@ -184,6 +186,10 @@ def test_only_its_own_instances_capabilities_are_inside(
         nodes = sorted({node.minor for node in nvidia_gpu_nodes(sandbox)})
         assert nodes == minors, f"{[m.uuid for m in group]}'s GPU minors: {minors}, inside {nodes}"
         sandbox.close()
+    if driver.capabilities.mig_profiles:  # asked by profile, not by name: the same nodes
+        sandbox = sandboxes(_profile(driver, instances[-1].profile))
+        foreign = foreign_gpu_nodes(sandbox, driver)
+        assert foreign == [], f"a sandbox given {uuids(sandbox)} by profile also holds {foreign}"
 
 
 @pytest.mark.exclusive

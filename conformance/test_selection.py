@@ -48,13 +48,30 @@ def test_default_request_avoids_gpus_held_by_another_process(
     driver: Driver, sandboxes: SandboxFactory, settings: Settings
 ) -> None:
     """A default GPU request MUST NOT get a GPU a sandbox of another process holds."""
-    with HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as other:
-        result = other.go()
-        assert result["ok"], f"the other process could not take a GPU: {result}"
-        mine = sandboxes(SandboxSpec.with_gpus())
-        assert not set(uuids(mine)) & set(result["gpus"]), (
-            f"this sandbox got {uuids(mine)}, which another process's sandbox holds"
+    # Two other processes: the second's GPU stays held when the first closes its sandbox.
+    with (
+        HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as first,
+        HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as second,
+    ):
+        replies = [first.go(), second.go()]
+        assert all(reply["ok"] for reply in replies), f"the other processes got {replies}"
+        theirs = {uuid for reply in replies for uuid in reply["gpus"]}
+        if len(driver.inventory()) >= 3:
+            mine = sandboxes(SandboxSpec.with_gpus())
+            assert not set(uuids(mine)) & theirs, (
+                f"this sandbox got {uuids(mine)}, which another process's sandbox holds"
+            )
+        first.close()
+        held = set(replies[1]["gpus"])
+        again = sandboxes(SandboxSpec.with_gpus())
+        assert not set(uuids(again)) & held, (
+            f"after another process closed its sandbox, this one got {uuids(again)}, which a "
+            "third process's sandbox still holds"
         )
+        if driver.capabilities.exact_ids:
+            busy = driver.device_ids(next(g for g in driver.inventory() if g.uuid in held))[0]
+            with pytest.raises(GpuBusy):
+                sandboxes(SandboxSpec.with_gpus(driver=driver.name, device_ids=[busy]))
 
 
 OTHER_DRIVERS = requirements.load().drivers

@@ -126,6 +126,12 @@ CONFIG_ERRORS = {
         lambda d: "'  '",
         field="driver_config.{driver}.gpu_device_ids",
     ),
+    "unknown-vendor": BadRequest(
+        lambda d: {"resource_requirements": _gpu(), "driver_config": {d.name: {"vendor": "nvida"}}},
+        InvalidDriverConfig,
+        lambda d: "'nvida'",
+        field="driver_config.{driver}.vendor",
+    ),
     "non-string-entry": BadRequest(
         lambda d: _ids(d, [7]),
         InvalidDriverConfig,
@@ -242,6 +248,14 @@ ID_ERRORS = {
         UnknownGpuDevice,
         lambda d: "no-such-gpu-0",
         needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
+    ),
+    "unknown-beside-known": BadRequest(
+        lambda d: _ids(d, [_id(d), "no-such-gpu-0"], count=2),
+        UnknownGpuDevice,
+        lambda d: "no-such-gpu-0",
+        needs_exact_ids=True,
+        needs_two_per_sandbox=True,
         field="driver_config.{driver}.gpu_device_ids",
     ),
     "index-out-of-range": BadRequest(

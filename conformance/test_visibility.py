@@ -15,17 +15,20 @@ from conformance.observe import (
 )
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
-from gpuhost.spec import SHARED, SandboxSpec
+from gpuhost.spec import SHARED, SandboxSpec, parse_spec
 
 
 @pytest.mark.requirement("GPU-NONE-01")
 def test_no_gpu_request_sees_no_gpu(driver: Driver, sandboxes: SandboxFactory) -> None:
     """A sandbox created without a GPU request MUST contain no GPU node and see no GPU."""
     sandboxes(SandboxSpec.with_gpus())  # another sandbox holds a GPU meanwhile
-    sandbox = sandboxes(SandboxSpec())
-    assert sandbox.gpus == ()
-    assert foreign_gpu_nodes(sandbox, driver) == []
-    assert visible_gpu_uuids(sandbox) == []
+    # Plain, and with a vendor in the driver's block: a choice among GPUs asks for none.
+    vendor_only = parse_spec({"driver_config": {driver.name: {"vendor": "nvidia"}}})
+    for spec in (SandboxSpec(), vendor_only):
+        sandbox = sandboxes(spec)
+        assert sandbox.gpus == (), f"{spec.to_dict()} asks for no GPU; got {uuids(sandbox)}"
+        assert foreign_gpu_nodes(sandbox, driver) == []
+        assert visible_gpu_uuids(sandbox) == []
 
 
 @pytest.mark.requirement("GPU-DEFAULT-01")

@@ -41,8 +41,17 @@ from gpuhost.leases import (
     Lease,
     LeaseOwner,
     LeaseRegistry,
+    process_running,
 )
-from gpuhost.spec import DEVICE_IDS_KEY, SHARED, DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.spec import (
+    DEVICE_IDS_KEY,
+    SHARED,
+    VENDORS,
+    DriverCapabilities,
+    GpuPlan,
+    GpuRequest,
+    SandboxSpec,
+)
 from gpuhost.wait import wait_for
 
 
@@ -58,6 +67,11 @@ class BrokenDriver(ReferenceDriver):
         sandbox = super().start(launch)
         sandbox.__class__ = self.SANDBOX
         return sandbox
+
+
+def _with_binds(argv: list[str], *binds: str) -> list[str]:
+    """The reference driver's bwrap argv, ``binds`` added before its ``--remount-ro /``."""
+    return [*argv[:-2], *binds, *argv[-2:]]
 
 
 class GpuWithoutRequest(BrokenDriver):
@@ -354,7 +368,7 @@ class SharedScratch(BrokenDriver):
         shared = Path(tempfile.gettempdir()) / f"gpu-sandbox-shared-{self.session_id}"
         shared.mkdir(exist_ok=True)
         argv = super().bwrap_argv(sandbox_id, gpus)
-        return [*argv[:-2], "--bind", str(shared), "/tmp", *argv[-2:]]  # before --remount-ro
+        return _with_binds(argv, "--bind", str(shared), "/tmp")
 
 
 class ReapDoesNothing(BrokenDriver):
@@ -528,7 +542,7 @@ class LeaksDriNode(BrokenDriver):
         node = self.host.leases.directory.parent / "renderD128"
         with contextlib.suppress(FileExistsError):
             os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(226, 128))
-        return [*argv[:-2], "--dev-bind", str(node), "/dev/dri/renderD128", *argv[-2:]]
+        return _with_binds(argv, "--dev-bind", str(node), "/dev/dri/renderD128")
 
 
 class NodeByIndex(BrokenDriver):
@@ -775,7 +789,7 @@ class SessionSharedShm(BrokenDriver):
         argv = super().bwrap_argv(sandbox_id, gpus)
         shm = self.host.leases.directory.parent / f"shm-{self.session_id}"
         shm.mkdir(exist_ok=True)
-        return [*argv[:-2], "--bind", str(shm), "/dev/shm", *argv[-2:]]
+        return _with_binds(argv, "--bind", str(shm), "/dev/shm")
 
 
 class LeaseFileInside(BrokenDriver):
@@ -786,7 +800,7 @@ class LeaseFileInside(BrokenDriver):
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         argv = super().bwrap_argv(sandbox_id, gpus)
         registry = str(self.host.leases.directory / LEASE_FILE)
-        return [*argv[:-2], "--ro-bind-try", registry, "/run/gpu/leases.json", *argv[-2:]]
+        return _with_binds(argv, "--ro-bind-try", registry, "/run/gpu/leases.json")
 
 
 class _IdleTimeoutSandbox(ReferenceSandbox):
@@ -932,6 +946,212 @@ class ReapReleasesOnlyFound(BrokenDriver):
         for sandbox_id in found_ids:
             self.host.leases.release(sandbox_id)
         return found_ids
+
+
+# -- a second round: choice keys, exec edges, other homes, ids across processes ----------
+
+
+class ChoiceKeyImpliesRequest(BrokenDriver):
+    """A vendor or mig_profile in its block, with no GPU request, still gets a GPU."""
+
+    BREAKS = "GPU-NONE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name, {})
+        if spec.gpu is None and ("mig_profile" in block or "vendor" in block):
+            spec = dataclasses.replace(spec, gpu=GpuRequest())
+        return super().plan(spec)
+
+
+class UnknownVendorMeansDefault(BrokenDriver):
+    """A vendor it does not know ("nvida") is dropped: the request gets a default GPU."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name)
+        if block is not None and block.get("vendor", "nvidia") not in VENDORS:
+            kept = {key: value for key, value in block.items() if key != "vendor"}
+            spec = dataclasses.replace(spec, driver_config={**spec.driver_config, self.name: kept})
+        return super().plan(spec)
+
+
+class DropsUnknownBesideKnown(BrokenDriver):
+    """Drops the exact IDs it cannot resolve when others resolve; only all unknown fails."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        index = self.device_index()
+        known = tuple(device_id for device_id in plan.device_ids if device_id in index)
+        if known:
+            plan = dataclasses.replace(plan, device_ids=known)
+        return super().resolve(plan)
+
+
+class MigProfilePrefix(BrokenDriver):
+    """Matches a mig_profile as a prefix: "1g" is served, and "1g.10gb" takes "1g.10gb+me"."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.mig_profile is None:
+            return super().pool(plan)
+        return tuple(m for m in self.host.mig_devices if m.profile.startswith(plan.mig_profile))
+
+
+class _SignalStyleSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        result = super().exec(argv, timeout)
+        if result.returncode > 128:  # "128 + N: killed by signal N", as Python reports it
+            result = dataclasses.replace(result, returncode=128 - result.returncode)
+        return result
+
+
+class ExecSignalStyleExitCodes(BrokenDriver):
+    """exec reports an exit code past 128 as -N, Python's "killed by signal N": 130 is -2."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _SignalStyleSandbox
+
+
+class _WholeSecondsSandbox(ReferenceSandbox):
+    def _run(
+        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
+    ) -> tuple[int, bytes, bytes]:
+        seconds = int(timeout)  # as timeout(1) takes it, where 0 means none
+        return super()._run(argv, stdout, stderr, seconds or DEFAULT_EXEC_TIMEOUT_S)
+
+
+class ExecTimeoutWholeSeconds(BrokenDriver):
+    """exec takes its timeout in whole seconds: under one second there is none."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _WholeSecondsSandbox
+
+
+class _FrameDecodingSandbox(ReferenceSandbox):
+    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        returncode, out, err = self._run(argv, subprocess.PIPE, subprocess.PIPE, timeout)
+
+        def text(data: bytes) -> str:  # each 4 KiB frame decoded as it comes
+            frames = (data[i : i + 4096] for i in range(0, len(data), 4096))
+            return "".join(frame.decode(errors="replace") for frame in frames)
+
+        return ExecResult(tuple(argv), returncode, text(out), text(err))
+
+
+class ExecDecodesPerFrame(BrokenDriver):
+    """exec decodes output per 4 KiB frame: a UTF-8 character across two frames is lost."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _FrameDecodingSandbox
+
+
+class HomesVisible(BrokenDriver):
+    """Binds /home read-only, for users' code and venvs: every home but root's is inside."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        return _with_binds(argv, "--ro-bind-try", "/home", "/home")
+
+
+class GpuSandboxesShareCudaCache(BrokenDriver):
+    """Gives a session's GPU sandboxes one writable CUDA JIT cache (CUDA_CACHE_PATH)."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        if not gpus:
+            return argv
+        cache = self.host.leases.directory.parent / f"cuda-cache-{self.session_id}"
+        cache.mkdir(exist_ok=True)
+        shared = ["--bind", str(cache), "/var/cache/cuda", "--setenv", "CUDA_CACHE_PATH",
+                  "/var/cache/cuda"]  # fmt: skip
+        return _with_binds(argv, *shared)
+
+
+class ProfileCountsGetMonitorCap(BrokenDriver):
+    """Gives sandboxes of a mig_profile count the MIG monitor capability too (nvidia-cap2)."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
+        if launch.plan is not None and launch.plan.mig_profile is not None:
+            caps = next(
+                n.major for g in self.host.mig_devices for n in g.nodes if "nvidia-caps" in n.path
+            )
+            node = self.host.leases.directory.parent / "nvidia-cap2"
+            with contextlib.suppress(FileExistsError):
+                os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(caps, 2))
+            argv = _with_binds(argv, "--dev-bind", str(node), "/dev/nvidia-caps/nvidia-cap2")
+        return self._start(launch, argv)
+
+
+class LeasesWithoutSession(BrokenDriver):
+    """Stamps its leases with no session (the schema allows it): no reap finds a half-made one."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        owner = LeaseOwner(self.name, sandbox_id, "", Holder.process(os.getpid()))
+        return self.host.leases.acquire(
+            self.pool(plan), owner, count=plan.count, exact=plan.gpus, mode=plan.sharing,
+            share_limit=self.host.share_limit,
+        )  # fmt: skip
+
+
+class SandboxIdsPerInstance(BrokenDriver):
+    """Numbers its sandboxes per driver instance: ids repeat across processes, and collide."""
+
+    BREAKS = "GPU-DEFAULT-02"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        super().__init__(host, session_id, image)
+        self._ids = itertools.count(1)
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        # The base create, with a counter of its own for the unique id.
+        plan = self.plan(spec)
+        sandbox_id = f"{self.name}-{next(self._ids)}"
+        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+
+        def hand_over(holder: Holder) -> None:
+            self.host.leases.set_holder(sandbox_id, holder)
+
+        try:
+            sandbox = self.start(Launch(sandbox_id, spec, plan, gpus, hand_over))
+            if gpus:
+                hand_over(sandbox.holder)
+        except BaseException:
+            self.abandon(sandbox_id)
+            raise
+        return sandbox
+
+
+class _FreesItsGpusWhenDead(ReferenceSandbox):
+    def close(self) -> None:
+        if self.closed:
+            return
+        dead = not process_running(self._child_pid, self._child_start)
+        super().close()
+        if dead and self._leases is not None:
+            # "Its sandbox is gone: whatever lease is left on its GPUs is a stale one of its own."
+            mine = {gpu.uuid for gpu in self.gpus}
+            for lease in self._leases.leases():
+                if lease.gpu_uuid in mine:
+                    self._leases.release(lease.sandbox_id)
+
+
+class CloseOfDeadSandboxFreesItsGpus(BrokenDriver):
+    """close() of a sandbox that died drops every lease on its GPUs, its successor's too."""
+
+    BREAKS = "GPU-RECLAIM-01"
+    SANDBOX = _FreesItsGpusWhenDead
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
