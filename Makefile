@@ -16,6 +16,7 @@ PYTEST_ARGS ?=
 
 ENGINES := scripts/engines.sh
 VM_IMAGE := scripts/vm-image.sh
+VM_IMAGE_ENV = env $$(sed 's/^/GPU_SANDBOX_VM_IMAGE=/' .vm-image 2>/dev/null)
 CLUSTER := scripts/cluster.sh
 
 .PHONY: conformance test test-stress lint bench bench-engines bench-workloads venv host-packages \
@@ -110,9 +111,11 @@ cluster-stop:
 # The vm lane's QEMU and guest image (scripts/vm-image.sh): QEMU, cpio, busybox-static and
 # lz4 from Debian when missing (root), Debian's cloud kernel extracted (never installed) and
 # a busybox initramfs built into /var/cache/gpu-sandbox/vm, cached by versions.
+# The image built for this checkout's guest is the one its runs use (GPU_SANDBOX_VM_IMAGE), not
+# the cache's `current`, which a checkout of another guest may point elsewhere meanwhile.
 vm-image:
 	@$(VM_IMAGE) install
-	@$(VM_IMAGE) build >/dev/null
+	@$(VM_IMAGE) build > .vm-image
 
 # `make conformance` sets the vm lane up as root; otherwise the driver's probe skips the lane
 # with what it needed and the command to run. A failed set-up is the probe's to report.
@@ -126,7 +129,7 @@ conformance: venv host-packages vm-lane
 	@mkdir -p $(REPORTS)
 	@sim=""; nvidia-smi -L >/dev/null 2>&1 || \
 	  sim="--sim-gpus=$(SIM_GPUS) --sim-mig=$(SIM_MIG) --sim-dri=$(SIM_DRI)"; \
-	$(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
+	$(VM_IMAGE_ENV) $(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
 	  --conformance-json=$(REPORTS)/conformance.json \
 	  --conformance-html=$(REPORTS)/conformance.html \
 	  --conformance-markdown=$(REPORTS)/conformance.md $(PYTEST_ARGS)
@@ -148,7 +151,7 @@ test: venv host-packages test-packages lint vm-image
 	@cluster_was_up=""; $(CLUSTER) status >/dev/null 2>&1 && cluster_was_up=1; \
 	$(CLUSTER) start || exit 1; \
 	started="$$($(ENGINES) start)" || exit 1; rc=0; \
-	$(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
+	$(VM_IMAGE_ENV) $(BIN)/pytest tests -n 2 -p no:cacheprovider $(PYTEST_ARGS) || rc=$$?; \
 	[ -z "$$started" ] || $(ENGINES) stop $$started; \
 	[ -n "$$cluster_was_up" ] || $(CLUSTER) stop; exit $$rc
 
