@@ -27,6 +27,8 @@ from typing import Any
 from conformance.observe import describe_gpus, visible_gpu_uuids
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
+from drivers.reference import ReferenceDriver
+from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import DEFAULT_SHARE_LIMIT, PROCESS, Holder, liveness_check, register_liveness
@@ -139,6 +141,21 @@ class HeldSandbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def refused_to_another_client(host: GpuHost, session_id: str, gpu: GpuDevice) -> DriverError | None:
+    """The error the reference driver, another client of the host registry, gets for ``gpu``.
+
+    None when it was granted (and given back at once). What the driver under test wrote in
+    the registry must mean to every other client what it means to the driver itself.
+    """
+    client = ReferenceDriver(host, session_id)
+    spec = SandboxSpec.with_gpus(driver=client.name, device_ids=[gpu.uuid])
+    try:
+        client.create(spec).close()
+    except DriverError as exc:
+        return exc
+    return None
 
 
 def close_all(holders: Iterable[HeldSandbox]) -> None:

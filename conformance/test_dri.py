@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.hold import HeldSandbox
+from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
     device_nodes,
     foreign_gpu_nodes,
@@ -124,6 +124,10 @@ def test_a_held_dri_gpu_is_never_granted_again(
         for device_id in driver.device_ids(held):
             with pytest.raises(GpuBusy):
                 sandboxes(_exact(driver, device_id))
+        refused = refused_to_another_client(settings.host, settings.session_id, held)
+        assert isinstance(refused, GpuBusy), (
+            f"{held.describe()} is held; the host registry's other clients were told {refused!r}"
+        )
         rest = len(of_vendor) - 1
         if rest:
             others = sandboxes(_vendor(driver, vendor, rest))

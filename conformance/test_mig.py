@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from conformance.hold import HeldSandbox
+from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
     expect_refusal,
     foreign_gpu_nodes,
@@ -215,6 +215,11 @@ def test_a_gpu_and_its_instances_exclude_each_other(
         for device_id in driver.device_ids(parent):
             with pytest.raises(GpuBusy):
                 sandboxes(_exact(driver, device_id))
+        refused = refused_to_another_client(settings.host, settings.session_id, parent)
+        assert isinstance(refused, GpuBusy), (
+            f"{instance.uuid} of {parent.uuid} is held; the host registry's other clients were "
+            f"told {refused!r} for the GPU whole"
+        )
         siblings = [mig for mig in migs if mig != instance]
         if siblings:  # the GPU's other instances stay free
             sibling = sandboxes(_exact(driver, driver.device_ids(siblings[0])[0]))

@@ -1154,6 +1154,54 @@ class CloseOfDeadSandboxFreesItsGpus(BrokenDriver):
     SANDBOX = _FreesItsGpusWhenDead
 
 
+class DriLeasedByPciAddress(BrokenDriver):
+    """Leases AMD and Intel GPUs under their bare PCI address, not the protocol's PCI-<bus>."""
+
+    BREAKS = "DRI-EXCLUSIVE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        def key(gpu: GpuDevice) -> GpuDevice:
+            return dataclasses.replace(gpu, uuid=gpu.pci_bus_id) if gpu.vendor != "nvidia" else gpu
+
+        back = {key(gpu).uuid: gpu for gpu in self.exact_devices()}
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        granted = self.host.leases.acquire(
+            tuple(map(key, self.pool(plan))), owner, count=plan.count,
+            exact=tuple(map(key, plan.gpus)), mode=plan.sharing, share_limit=self.host.share_limit,
+        )  # fmt: skip
+        return tuple(back[gpu.uuid] for gpu in granted)
+
+
+class _NoParentRegistry(LeaseRegistry):
+    """Writes MIG leases without parent_uuid; reads the parent back from its own inventory."""
+
+    def __init__(self, directory: Path, parents: dict[str, str]) -> None:
+        super().__init__(directory)
+        self._parents = parents
+
+    def _load(self) -> list[Lease]:
+        return [
+            dataclasses.replace(lease, parent_uuid=self._parents.get(lease.gpu_uuid))
+            if lease.parent_uuid is None
+            else lease
+            for lease in super()._load()
+        ]
+
+    def _store(self, leases: list[Lease]) -> None:
+        super()._store([dataclasses.replace(lease, parent_uuid=None) for lease in leases])
+
+
+class MigLeaseWithoutParent(BrokenDriver):
+    """Writes MIG leases without their GPU (it knows each instance's GPU from its inventory)."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        parents = {mig.uuid: mig.parent_uuid for mig in host.mig_devices if mig.parent_uuid}
+        registry = _NoParentRegistry(host.leases.directory, parents)
+        super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
+
+
 ALL: tuple[type[BrokenDriver], ...] = tuple(
     cls
     for cls in list(globals().values())
