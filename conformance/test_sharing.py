@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +16,7 @@ from conformance.observe import (
     visible_gpu_uuids,
 )
 from conformance.plugin import SandboxFactory, Settings
-from drivers.base import Driver
+from drivers.base import Driver, Sandbox
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SHARED, SandboxSpec
 from gpuhost.wait import wait_until
@@ -84,8 +85,27 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
         assert reply == {"ok": False, "error": "GpuBusy", "message": reply.get("message")}, (
             f"{gpu} has {limit} sharers, the limit; another process got {reply}"
         )
+        _a_stricter_limit_binds_every_sharer(driver, sandboxes, settings, exclusive, beyond)
     finally:
         close_all([joining, crowding])
+
+
+def _a_stricter_limit_binds_every_sharer(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, *taken: Sandbox
+) -> None:
+    """A sharer of another process taken under a limit of 2: this one's limit does not matter."""
+    held = {uuid for sandbox in [*taken, *sandboxes.open] for uuid in uuids(sandbox)}
+    free = [g for g in driver.inventory() if g.uuid not in held]
+    if driver.host.share_limit <= 2 or not free:
+        return
+    device_id = driver.device_ids(free[0])[0]
+    stricter = dataclasses.replace(settings.host_config, share_limit=2)
+    with HeldSandbox.start(driver, stricter, _shared(driver, device_id)) as other:
+        reply = other.go()
+        assert reply["ok"], f"another process could not share {device_id}: {reply}"
+        sandboxes(_shared(driver, device_id))  # the second sharer: within both limits
+        with pytest.raises(GpuBusy):  # the third: past the limit the first sharer took
+            sandboxes(_shared(driver, device_id))
 
 
 @pytest.mark.shares_gpus

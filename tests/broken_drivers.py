@@ -1202,6 +1202,47 @@ class MigLeaseWithoutParent(BrokenDriver):
         super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
 
 
+class _OwnLimitRegistry(LeaseRegistry):
+    """Judges shared leases against the taker's limit only; keeps each lease's limit on disk."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.limits: dict[tuple[str, str], int | None] = {}
+
+    def _load(self) -> list[Lease]:
+        leases = super()._load()
+        self.limits = {(x.sandbox_id, x.gpu_uuid): x.share_limit for x in leases}
+        return [dataclasses.replace(x, share_limit=None) for x in leases]
+
+    def _store(self, leases: list[Lease]) -> None:
+        super()._store(
+            [
+                dataclasses.replace(
+                    x, share_limit=self.limits.get((x.sandbox_id, x.gpu_uuid), x.share_limit)
+                )
+                for x in leases
+            ]
+        )
+
+
+class IgnoresOthersShareLimit(BrokenDriver):
+    """Counts a GPU's sharers against its own share limit, not the limit each sharer took."""
+
+    BREAKS = "GPU-SHARED-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        registry = _OwnLimitRegistry(host.leases.directory)
+        super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        granted = super().allocate(sandbox_id, plan)
+        registry = self.host.leases
+        if plan.sharing == SHARED and isinstance(registry, _OwnLimitRegistry):
+            for gpu in granted:  # its own leases keep the limit they were taken under
+                registry.limits[(sandbox_id, gpu.uuid)] = self.host.share_limit
+        return granted
+
+
 ALL: tuple[type[BrokenDriver], ...] = tuple(
     cls
     for cls in list(globals().values())
