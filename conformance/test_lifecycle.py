@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
 from gpuhost.errors import ExecTimeout, GpusExhausted
 from gpuhost.leases import Holder, LeaseOwner
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import SandboxSpec, parse_spec
 from gpuhost.wait import wait_until
 
 LONG = 1 << 20
@@ -174,6 +175,33 @@ def _half_made(driver: Driver, session: str, creator_pid: int, gpus: list[str]) 
         taken[0].driver, f"{session}-half-made", session, Holder.process(creator_pid)
     )
     driver.host.leases.acquire(free, owner, count=1)
+
+
+SPEC_ENV = {
+    "SPEC_PLAIN": "x",
+    "SPEC_SPACES": " a b  c ",
+    "SPEC_EQUALS": "k=v=w",
+    "SPEC_QUOTES": 'it\'s "q" $HOME `id` \\ ; *',
+    "SPEC_EMPTY": "",
+}
+"""Values a shell or a command line would change, were they passed through one unquoted."""
+
+
+@pytest.mark.requirement("SANDBOX-ENV-01")
+def test_commands_see_the_specs_env_and_nothing_of_the_creators(
+    driver: Driver, sandboxes: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command MUST see the spec's env exactly, and nothing of the creating process's env."""
+    canary = f"GPU_SANDBOX_CANARY_{time.time_ns()}"
+    monkeypatch.setenv(canary, f"{canary}-a-secret-of-the-creating-process")
+    gpu_request: dict[str, Any] = {"resource_requirements": {"gpu": {}}}
+    for spec in (parse_spec({"env": SPEC_ENV}), parse_spec({"env": SPEC_ENV, **gpu_request})):
+        sandbox = sandboxes(spec)
+        listing = sandbox.exec(["env"]).check().stdout
+        seen = dict(line.split("=", 1) for line in listing.splitlines() if "=" in line)
+        wrong = {k: seen.get(k) for k, v in SPEC_ENV.items() if seen.get(k) != v}
+        assert not wrong, f"the spec's env {SPEC_ENV} arrived as {wrong}"
+        assert canary not in listing, f"the creating process's {canary} is inside: {listing}"
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")

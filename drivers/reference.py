@@ -317,7 +317,7 @@ class ReferenceDriver(Driver):
 
 
 class ReferenceSandbox(Sandbox):
-    """A running bubblewrap sandbox: its bwrap process holds its leases."""
+    """A running bubblewrap sandbox: its pid 1 holds its leases."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -1241,6 +1241,15 @@ class IgnoresOthersShareLimit(BrokenDriver):
             for gpu in granted:  # its own leases keep the limit they were taken under
                 registry.limits[(sandbox_id, gpu.uuid)] = self.host.share_limit
         return granted
+
+
+class HostEnvironmentLeaks(BrokenDriver):
+    """Gives commands the creating process's whole environment, and the spec's over it."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return {**os.environ, **super().sandbox_env(extra)}
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
