@@ -113,8 +113,8 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
 ) -> None:
     """GPUs held by other drivers and processes MUST never be granted, by any kind of request."""
     inventory = driver.inventory()
-    # The same driver in another session (another run), when it takes exact IDs.
-    same = type(driver)(settings.host, f"other-{uuid4().hex}", driver.image)
+    # Holders: the sh client, a kind of its own, reference sandboxes, and the same driver in
+    # another session (another run) when it takes exact IDs.
     kinds = 4 if driver.capabilities.exact_ids else 3
     # Every other GPU (not only the lowest ones), a GPU for each kind of holder at least,
     # and one GPU free at least.
@@ -130,6 +130,7 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
         reference = ReferenceDriver(settings.host, driver.session_id)
         holders.enter_context(_held_by_other_processes(settings, reference, share[2]))
         if kinds == 4:
+            same = type(driver)(settings.host, f"other-{uuid4().hex}", driver.image)
             holders.enter_context(_held_by_other_processes(settings, same, share[3]))
 
         # Default requests, side by side, until none is left.
