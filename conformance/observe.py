@@ -210,13 +210,11 @@ DRM_RENDER_MINORS = range(128, 256)
 """renderD128 and up; card<N> has minor N (and 64-127 were the retired control nodes)."""
 
 
-def visible_dri(
-    sandbox: Sandbox, driver: Driver, nodes: Sequence[NodeSeen] | None = None
-) -> dict[str, set[str]]:
-    """PCI address → which DRI nodes (``card``, ``render``) of that GPU the sandbox holds.
+def visible_dri(driver: Driver, nodes: Sequence[NodeSeen]) -> dict[str, set[str]]:
+    """PCI address → which DRI nodes (``card``, ``render``) of that GPU are among ``nodes``.
 
     Of the host's AMD and Intel GPUs, told by the nodes' numbers as the kernel tells them,
-    wherever and under whatever name they are in the sandbox's /dev.
+    wherever and under whatever name they are in the sandbox's /dev (``device_nodes``).
     """
     __tracebackhide__ = True
     by_number = {
@@ -229,7 +227,7 @@ def visible_dri(
         if node.major == DRM_MAJOR
     }
     seen: dict[str, set[str]] = {}
-    for node in device_nodes(sandbox) if nodes is None else nodes:
+    for node in nodes:
         if found := by_number.get((node.major, node.minor)):
             seen.setdefault(found[0], set()).add(found[1])
     return seen

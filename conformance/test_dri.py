@@ -46,7 +46,7 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
         f"asked for {[gpu.describe() for gpu in given]}; the driver reports {uuids(sandbox)}"
     )
     nodes = device_nodes(sandbox)
-    seen = visible_dri(sandbox, driver, nodes)
+    seen = visible_dri(driver, nodes)
     wanted = {gpu.pci_bus_id: {"card", "render"} for gpu in given}
     assert seen == wanted, f"given {sorted(wanted)}, the sandbox holds the DRI nodes of {seen}"
     # Every other node a given GPU needs too (AMD's /dev/kfd for ROCm compute), by number.
