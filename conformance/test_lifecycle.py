@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -13,9 +15,10 @@ from conformance.observe import (
     specs_for_all_gpus,
     specs_for_gpus,
     uuids,
+    visible_gpu_uuids,
 )
 from conformance.plugin import SandboxFactory, Settings
-from drivers.base import Driver
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Driver, ExecResult, Sandbox
 from gpuhost.errors import ExecTimeout, GpusExhausted
 from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec, parse_spec
@@ -113,16 +116,40 @@ def test_gpus_of_a_dead_creator_are_reclaimed(
 
 @pytest.mark.requirement("SANDBOX-REAP-01")
 def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
-    """Reaping a test session MUST leave none of its sandboxes and none of its leases."""
+    """Reaping a session MUST leave none of its sandboxes and leases, and all of the others'."""
+    # Not even of a session whose id starts with the reaped one's: run "1" is not run "10".
     session = f"reap-{time.time_ns()}"
     other = type(driver)(driver.host, session, driver.image)
-    left = [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
-    assert len(other.sandboxes(session)) == 2
-    other.reap(session)
-    assert other.sandboxes(session) == []
+    neighbour = type(driver)(driver.host, f"{session}0", driver.image)
+    # With a GPU where the host has one to spare for the reaped session's own.
+    kept = neighbour.create(
+        SandboxSpec.with_gpus() if len(driver.inventory()) >= 2 else SandboxSpec()
+    )
+    try:
+        kept_leases = _leases_of(driver, kept.id)
+        left = [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
+        assert len(other.sandboxes(session)) == 2
+        other.reap(session)
+        assert other.sandboxes(session) == []
+        assert neighbour.sandboxes(neighbour.session_id) == [kept.id], (
+            f"reaping session {session} took the sandbox of session {neighbour.session_id}"
+        )
+        assert _leases_of(driver, kept.id) == kept_leases, (
+            f"reaping session {session} took the leases of session {neighbour.session_id}"
+        )
+        assert visible_gpu_uuids(kept) == uuids(kept), f"reaping session {session} took a GPU"
+    finally:
+        kept.close()
     assert_all_gpus_grantable(driver, after=f"reaping session {session}")
     for sandbox in left:
         sandbox.close()  # harmless after reap
+
+
+def _leases_of(driver: Driver, sandbox_id: str) -> list[str]:
+    """A sandbox's leases in the host registry (none, for a driver that leases elsewhere)."""
+    return sorted(
+        lease.describe() for lease in driver.host.leases.leases() if lease.sandbox_id == sandbox_id
+    )
 
 
 @pytest.mark.requirement("SANDBOX-REAP-01")
@@ -204,47 +231,68 @@ def test_commands_see_the_specs_env_and_nothing_of_the_creators(
         assert canary not in listing, f"the creating process's {canary} is inside: {listing}"
 
 
+Run = Callable[..., ExecResult]
+
+
+def _ways_to_run(sandbox: Sandbox) -> dict[str, Run]:
+    """``exec``, and ``exec_stream`` (what `gpu-sandbox run` uses) read back from its files."""
+
+    def streamed(argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            returncode = sandbox.exec_stream(argv, out.fileno(), err.fileno(), timeout)
+            out.seek(0)
+            err.seek(0)
+            text = (out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        return ExecResult(tuple(argv), returncode, *text)
+
+    return {"exec": sandbox.exec, "exec_stream": streamed}
+
+
 @pytest.mark.requirement("SANDBOX-EXEC-01")
 def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
-    """Exec MUST return the command's exit code, stdout and stderr, whole."""
+    """Exec MUST return the command's exit code, stdout and stderr, whole; so MUST exec_stream."""
     sandbox = sandboxes(SandboxSpec())
-    result = sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
-    assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
-    # Byte for byte: carriage returns (progress bars, CRLF logs) are not newlines.
-    crlf = sandbox.exec(["sh", "-c", "printf 'o\\r\\nu\\rt'; printf 'e\\r\\nr\\rr' >&2"])
-    assert (crlf.stdout, crlf.stderr) == ("o\r\nu\rt", "e\r\nr\rr"), "the output was rewritten"
-    # Exit codes past 128 as the command gave them.
-    assert sandbox.exec(["sh", "-c", "exit 130"]).returncode == 130
-    # UTF-8 decoded whole: "a" then 3000 two-byte characters, split at every 4 KiB boundary.
-    utf8 = "printf a; i=0; while [ $i -lt 3000 ]; do printf '\\303\\251'; i=$((i + 1)); done"
-    assert sandbox.exec(["sh", "-c", utf8]).stdout == "a" + "\u00e9" * 3000, "UTF-8 was cut"
-    # Long output, on both streams at once, comes back whole and apart.
-    script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
-    long = sandbox.exec(["sh", "-c", script])
-    assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), "the output was cut short"
-    assert set(long.stdout) == {"o"}
-    assert set(long.stderr) == {"e"}
+    for way, run in _ways_to_run(sandbox).items():
+        result = run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n"), way
+        # Byte for byte: carriage returns (progress bars, CRLF logs) are not newlines.
+        crlf = run(["sh", "-c", "printf 'o\\r\\nu\\rt'; printf 'e\\r\\nr\\rr' >&2"])
+        assert (crlf.stdout, crlf.stderr) == ("o\r\nu\rt", "e\r\nr\rr"), f"{way} rewrote it"
+        # Exit codes past 128 as the command gave them.
+        assert run(["sh", "-c", "exit 130"]).returncode == 130, way
+        # UTF-8 whole: "a" then 3000 two-byte characters, split at every 4 KiB boundary.
+        utf8 = "printf a; i=0; while [ $i -lt 3000 ]; do printf '\\303\\251'; i=$((i + 1)); done"
+        assert run(["sh", "-c", utf8]).stdout == "a" + "\u00e9" * 3000, f"{way} cut UTF-8"
+        # Long output, on both streams at once, comes back whole and apart.
+        script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
+        long = run(["sh", "-c", script])
+        assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
+        assert set(long.stdout) == {"o"}, way
+        assert set(long.stderr) == {"e"}, way
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")
 def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> None:
-    """Exec MUST kill a command that outlives its timeout, with all it started."""
+    """Exec MUST kill a command past its timeout, with all it started; so MUST exec_stream."""
     sandbox = sandboxes(SandboxSpec())
-    # Unique arguments find these processes later; one escapes into a session of its own.
-    # The command keeps printing for 12 s: the timeout bounds its whole run, not a silence.
-    marker = f"{60 + time.time_ns() % 1000 / 1000:.3f}"
-    chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
-    script = f"setsid sleep {marker} & {chatty}"
-    start = time.monotonic()
-    with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
-        sandbox.exec(["sh", "-c", script], timeout=0.5)
-    assert time.monotonic() - start < 10
-    # A zombie's cmdline is empty: only processes still running are listed.
-    listing = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"
-    survivors = [
-        line
-        for line in sandbox.exec(["sh", "-c", listing]).stdout.splitlines()
-        if f"sleep {marker}" in line
-    ]
-    assert not survivors, f"the timed-out command left processes running: {survivors}"
-    assert sandbox.exec(["true"]).returncode == 0
+    for number, (way, run) in enumerate(_ways_to_run(sandbox).items()):
+        # Unique arguments find these processes later; one escapes into a session of its own.
+        # The command keeps printing for 12 s: the timeout bounds its whole run, not a silence.
+        marker = f"{60 + number + time.time_ns() % 1000 / 1000:.3f}"
+        chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
+        script = f"setsid sleep {marker} & {chatty}"
+        start = time.monotonic()
+        with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
+            run(["sh", "-c", script], timeout=0.5)
+        assert time.monotonic() - start < 10, f"{way} let the command run past its timeout"
+        # A zombie's cmdline is empty: only processes still running are listed.
+        listing = (
+            "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"
+        )
+        survivors = [
+            line
+            for line in sandbox.exec(["sh", "-c", listing]).stdout.splitlines()
+            if f"sleep {marker}" in line
+        ]
+        assert not survivors, f"the timed-out command ({way}) left processes running: {survivors}"
+        assert sandbox.exec(["true"]).returncode == 0

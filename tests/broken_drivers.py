@@ -43,6 +43,7 @@ from gpuhost.leases import (
     LeaseRegistry,
     process_running,
 )
+from gpuhost.procfs import each_process
 from gpuhost.spec import (
     DEVICE_IDS_KEY,
     SHARED,
@@ -1250,6 +1251,52 @@ class HostEnvironmentLeaks(BrokenDriver):
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
         return {**os.environ, **super().sandbox_env(extra)}
+
+
+# -- a third round: exec_stream, sessions that share a prefix ------------------------------
+
+
+class _StreamWithoutTimeout(ReferenceSandbox):
+    def exec_stream(
+        self,
+        argv: Sequence[str],
+        stdout: int,
+        stderr: int,
+        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+    ) -> int:
+        return self._run(argv, stdout, stderr, DEFAULT_EXEC_TIMEOUT_S)[0]
+
+
+class ExecStreamIgnoresTimeout(BrokenDriver):
+    """exec_stream (what `gpu-sandbox run` uses) runs every command under the default timeout."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _StreamWithoutTimeout
+
+
+def _running_sessions() -> set[str]:
+    """The sessions stamped on running bwrap processes."""
+    stamp = reference.SESSION_ENV.encode()
+    found = set()
+    for _, cmdline in each_process("cmdline"):
+        argv = cmdline.split(b"\0")
+        if argv[0].endswith(b"bwrap"):
+            pairs = zip(argv, argv[1:], argv[2:], strict=False)
+            found |= {
+                value.decode() for flag, key, value in pairs if (flag, key) == (b"--setenv", stamp)
+            }
+    return found
+
+
+class ReapMatchesPrefix(BrokenDriver):
+    """reap takes every session whose id starts with the one asked: reaping run 1 reaps run 10."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        sessions = _running_sessions() | {lease.session_id for lease in self.host.leases.leases()}
+        matching = sorted(session for session in sessions if session.startswith(session_id))
+        return sorted(sandbox for session in matching for sandbox in super().reap(session))
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
