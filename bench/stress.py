@@ -18,6 +18,7 @@ import collections
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,33 +28,50 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).parent.parent
-HOG = "while True: pass"
+HOG = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"
+"""Burns a core until stopped, or until the stress run that started it (argv[1]) is gone."""
 
 
 @dataclass
 class LoadLoop:
-    """Conformance runs against the engines, one after the other, until stopped."""
+    """Conformance runs against the engines, one after the other, until halted."""
 
     python: str
-    stop: threading.Event = field(default_factory=threading.Event)
     outcomes: list[int] = field(default_factory=list)
+    _halted: bool = False
+    _current: subprocess.Popen[bytes] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self) -> None:
         argv = [
             self.python, "-m", "pytest", str(ROOT / "conformance"), "--driver=docker,podman",
             "--sim-gpus=8", "-p", "no:cacheprovider", "-q", "--no-header",
         ]  # fmt: skip
-        while not self.stop.is_set():
-            done = subprocess.run(argv, cwd=ROOT, capture_output=True, check=False)
-            self.outcomes.append(done.returncode)
+        while True:
+            with self._lock:
+                if self._halted:
+                    return
+                self._current = start_group(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+            code = self._current.wait()
+            if not self._halted:
+                self.outcomes.append(code)
+
+    def halt(self) -> None:
+        """Stop the loop, interrupting the run in progress."""
+        with self._lock:
+            self._halted = True
+            current = self._current
+        if current is not None:
+            stop_group(current)
 
 
 @contextlib.contextmanager
 def load(hogs: int, engines: bool) -> Iterator[LoadLoop | None]:
     """CPU hogs, and the conformance loop when ``engines``; all stopped on the way out."""
-    burners = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
+    burners = [subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())]) for _ in range(hogs)]
     loop = LoadLoop(sys.executable) if engines else None
     thread = threading.Thread(target=loop.run, daemon=True) if loop else None
     if thread:
@@ -65,7 +83,7 @@ def load(hogs: int, engines: bool) -> Iterator[LoadLoop | None]:
             burner.kill()
             burner.wait()
         if loop and thread:
-            loop.stop.set()
+            loop.halt()
             thread.join()
 
 
@@ -91,9 +109,7 @@ def one_run(number: int, workdir: Path, in_place: bool) -> tuple[int, float, lis
     env = {**os.environ, "CI": "true", "PYTEST_ARGS": f"--junitxml={junit}"}
     start = time.monotonic()
     with log.open("wb") as out:
-        code = subprocess.run(
-            ["make", "test"], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, check=False
-        ).returncode
+        code = run_as_group(["make", "test"], cwd=tree, env=env, stdout=out)
     elapsed = time.monotonic() - start
     if not in_place and code == 0:
         shutil.rmtree(tree, ignore_errors=True)
@@ -101,6 +117,34 @@ def one_run(number: int, workdir: Path, in_place: bool) -> tuple[int, float, lis
     if code and not failed:
         failed = [f"(make test exited {code} outside pytest: see {log})"]
     return code, elapsed, failed
+
+
+def start_group(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a process group of its own, its stderr with its stdout."""
+    return subprocess.Popen(argv, start_new_session=True, stderr=subprocess.STDOUT, **popen)
+
+
+def run_as_group(argv: list[str], **popen: Any) -> int:
+    """Run ``argv`` in a process group of its own; the group is stopped on an exception."""
+    process = start_group(argv, **popen)
+    try:
+        return process.wait()
+    except BaseException:
+        stop_group(process)
+        raise
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Interrupt a process group as Ctrl-C does, then kill what is left after ``grace_s``.
+
+    Interrupted, pytest tears its fixtures down: the sandboxes of the run are closed.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace_s)
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def engines_answer() -> bool:
@@ -121,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-place", action="store_true", help="run in this checkout")
     parser.add_argument("--workdir", type=Path, help="keep clones, logs and reports here")
     args = parser.parse_args(argv)
+    # Terminated, it stops its load and the run in progress, as on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpu-sandbox-stress-"))
     workdir.mkdir(parents=True, exist_ok=True)
