@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -19,10 +20,10 @@ from conformance.observe import (
 )
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Driver, ExecResult, Sandbox
-from gpuhost.errors import ExecTimeout, GpusExhausted
+from gpuhost.errors import ExecTimeout, GpusExhausted, SandboxExecError
 from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec, parse_spec
-from gpuhost.wait import wait_until
+from gpuhost.wait import wait_for, wait_until
 
 LONG = 1 << 20
 """A mebibyte on each stream: more than any pipe or stream buffer holds at once."""
@@ -129,6 +130,10 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
         kept_leases = _leases_of(driver, kept.id)
         left = [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
         assert len(other.sandboxes(session)) == 2
+        # Another client of the host registry, in the same session: not the driver's to reap.
+        client = LeaseOwner("gpu-lease", f"{session}-client", session, Holder.process(os.getpid()))
+        free = driver.host.leases.free(driver.inventory())
+        theirs = driver.host.leases.acquire(free, client, count=1) if free else ()
         other.reap(session)
         assert other.sandboxes(session) == []
         assert neighbour.sandboxes(neighbour.session_id) == [kept.id], (
@@ -138,7 +143,13 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
             f"reaping session {session} took the leases of session {neighbour.session_id}"
         )
         assert visible_gpu_uuids(kept) == uuids(kept), f"reaping session {session} took a GPU"
+        still = {lease.gpu_uuid for lease in driver.host.leases.leases()}
+        assert {gpu.uuid for gpu in theirs} <= still, (
+            f"reaping the {driver.name} sandboxes of session {session} dropped the lease of "
+            f"another client of the host registry in that session ({client.driver})"
+        )
     finally:
+        driver.host.leases.release(client.sandbox_id)
         kept.close()
     assert_all_gpus_grantable(driver, after=f"reaping session {session}")
     for sandbox in left:
@@ -210,8 +221,13 @@ SPEC_ENV = {
     "SPEC_EQUALS": "k=v=w",
     "SPEC_QUOTES": 'it\'s "q" $HOME `id` \\ ; *',
     "SPEC_EMPTY": "",
+    # Variables a driver sets itself: the spec's values win.
+    "PATH": "/spec/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+    "HOME": "/spec-home",
+    "LANG": "C",
 }
-"""Values a shell or a command line would change, were they passed through one unquoted."""
+"""Values a shell or a command line would change, were they passed through one unquoted, and
+variables a driver sets itself (the spec's values win)."""
 
 
 @pytest.mark.requirement("SANDBOX-ENV-01")
@@ -269,6 +285,36 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
         assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
         assert set(long.stdout) == {"o"}, way
         assert set(long.stderr) == {"e"}, way
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_in_an_ended_sandbox_fails(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """Exec MUST fail with SandboxExecError in a sandbox that was killed, or closed."""
+    sandbox = sandboxes(SandboxSpec())
+    sandbox.kill()
+    wait_for(
+        lambda: driver.sandboxes(driver.session_id),
+        lambda listed: sandbox.id not in listed,
+        timeout_s=settings.reclaim_timeout_s,
+        what=f"killed sandbox {sandbox.id} to end",
+    )
+    for way, run in _ways_to_run(sandbox).items():
+        _fails_to_run(run, f"{way} in killed sandbox {sandbox.id}")
+    sandbox.close()
+    for way, run in _ways_to_run(sandbox).items():
+        _fails_to_run(run, f"{way} in closed sandbox {sandbox.id}")
+
+
+def _fails_to_run(run: Run, where: str) -> None:
+    """Not even `true` runs: a typed error, not an exit code of the engine's or nsenter's."""
+    __tracebackhide__ = True
+    try:
+        outcome = run(["true"])
+    except SandboxExecError:
+        return
+    pytest.fail(f"{where}: `true` ran ({outcome}); it must fail with SandboxExecError")
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")

@@ -18,7 +18,7 @@ from conformance.observe import (
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
+from gpuhost.errors import DuplicateGpuDevice, GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SandboxSpec
 
 MIG_HINT = "a simulated host gets some with --sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb"
@@ -225,6 +225,20 @@ def test_a_gpu_and_its_instances_exclude_each_other(
             sibling = sandboxes(_exact(driver, driver.device_ids(siblings[0])[0]))
             assert uuids(sibling) == [siblings[0].uuid]
             sibling.close()
+            # Closing a sibling gives back its instance alone: the held one stays held.
+            with pytest.raises(GpuBusy):
+                sandboxes(_exact(driver, driver.device_ids(instance)[0]))
+            refused = refused_to_another_client(settings.host, settings.session_id, instance)
+            assert isinstance(refused, GpuBusy), (
+                f"closing {siblings[0].uuid} gave back {instance.uuid}, which another process "
+                f"holds: the host registry's other clients were told {refused!r}"
+            )
+    # The GPU whole and one of its own instances, in one request: the GPU twice.
+    both = _exact(driver, driver.device_ids(parent)[0], driver.device_ids(instance)[0])
+    expect_refusal(
+        driver, sandboxes, both, DuplicateGpuDevice,
+        field=f"driver_config.{driver.name}.gpu_device_ids", value=driver.device_ids(instance)[0],
+    )  # fmt: skip
     # And the other way: the GPU whole, then none of its instances.
     whole = sandboxes(_exact(driver, driver.device_ids(parent)[0]))
     assert uuids(whole) == [parent.uuid]

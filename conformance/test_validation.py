@@ -22,6 +22,7 @@ from gpuhost.errors import (
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
+    InvalidGpuSharing,
     RequestError,
     UnknownGpuDevice,
     UnsupportedGpuRequest,
@@ -86,6 +87,18 @@ def _only_for(name: str, key: str = DEVICE_IDS_KEY) -> BadRequest:
     )
 
 
+def _choice(block: dict[str, Any], key: str, value: str, ids: bool = False) -> BadRequest:
+    """``block`` in the driver's own config (beside an exact ID when ``ids``): ``key`` refused."""
+
+    def build(driver: Driver) -> dict[str, Any]:
+        exact = {"gpu_device_ids": [_id(driver)]} if ids else {}
+        return {"resource_requirements": _gpu(), "driver_config": {driver.name: {**exact, **block}}}
+
+    return BadRequest(
+        build, InvalidDriverConfig, lambda d: value, field=f"driver_config.{{driver}}.{key}"
+    )
+
+
 CONFIG_ERRORS = {
     "envelope-not-object": BadRequest(
         lambda d: {"resource_requirements": _gpu(), "driver_config": "podman"},
@@ -138,6 +151,18 @@ CONFIG_ERRORS = {
         lambda d: "got 7",
         field="driver_config.{driver}.gpu_device_ids",
     ),
+    # A choice given empty, or not as a string, is refused: not read as no choice at all.
+    "empty-mig-profile": _choice({"mig_profile": ""}, "mig_profile", "''"),
+    "blank-vendor": _choice({"vendor": "  "}, "vendor", "'  '"),
+    "mig-profile-not-a-string": _choice({"mig_profile": 7}, "mig_profile", "got 7"),
+    # Exact devices decide what a sandbox gets: beside them, a choice is refused, not dropped.
+    "ids-and-mig-profile": _choice(
+        {"mig_profile": "1g.10gb"}, "mig_profile", "'1g.10gb'", ids=True
+    ),
+    "ids-and-vendor": _choice({"vendor": "nvidia"}, "vendor", "'nvidia'", ids=True),
+    "mig-profile-of-another-vendor": _choice(
+        {"mig_profile": "1g.10gb", "vendor": "amd"}, "vendor", "'amd'"
+    ),
     **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
     # Under each other name a driver reads its device IDs by, too.
     **{
@@ -148,6 +173,17 @@ CONFIG_ERRORS = {
 }
 
 COUNT = "resource_requirements.gpu.count"
+SHARING = "resource_requirements.gpu.sharing"
+
+
+def _sharing(value: object) -> BadRequest:
+    return BadRequest(
+        lambda d: {"resource_requirements": {"gpu": {"sharing": value}}},
+        InvalidGpuSharing,
+        lambda d: f"got {value!r}",
+        field=SHARING,
+    )
+
 
 COUNT_ERRORS = {
     "zero": BadRequest(
@@ -198,6 +234,11 @@ COUNT_ERRORS = {
         lambda d: "1000000",
         field=COUNT,
     ),
+    # A sharing that is neither mode is refused, never served as an exclusive GPU.
+    "sharing-capitalised": _sharing("Shared"),
+    "sharing-misspelt": _sharing("exclusve"),
+    "sharing-empty": _sharing(""),
+    "sharing-boolean": _sharing(True),
 }
 
 

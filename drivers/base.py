@@ -392,6 +392,15 @@ class Driver(ABC):
                         f"'{first}' names the same GPU ({gpu.uuid})",
                     )
                 chosen[gpu.uuid] = (device_id, gpu)
+        for device_id, gpu in chosen.values():
+            if gpu.parent_uuid in chosen:
+                whole = chosen[gpu.parent_uuid][0]
+                raise DuplicateGpuDevice(
+                    plan.field,
+                    device_id,
+                    f"{plan.field} names '{whole}' whole and its MIG instance '{device_id}': "
+                    f"the instance is part of that GPU ({gpu.parent_uuid})",
+                )
         return tuple(gpu for _, gpu in chosen.values())
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:

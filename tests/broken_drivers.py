@@ -30,6 +30,7 @@ from gpuhost.errors import (
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
+    SandboxExecError,
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import (
@@ -45,6 +46,7 @@ from gpuhost.leases import (
 )
 from gpuhost.procfs import each_process
 from gpuhost.spec import (
+    CHOICE_KEYS,
     DEVICE_IDS_KEY,
     SHARED,
     VENDORS,
@@ -1297,6 +1299,109 @@ class ReapMatchesPrefix(BrokenDriver):
         sessions = _running_sessions() | {lease.session_id for lease in self.host.leases.leases()}
         matching = sorted(session for session in sessions if session.startswith(session_id))
         return sorted(sandbox for session in matching for sandbox in super().reap(session))
+
+
+def _with_block(spec: SandboxSpec, name: str, block: Mapping[str, object]) -> SandboxSpec:
+    return dataclasses.replace(spec, driver_config={**spec.driver_config, name: dict(block)})
+
+
+class UnknownSharingIsExclusive(BrokenDriver):
+    """Any sharing but "shared" ("Shared", "exclusve", "") is served exclusive, not refused."""
+
+    BREAKS = "GPU-VALIDATE-02"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        gpu = spec.gpu
+        if gpu is not None and gpu.sharing not in (None, SHARED):
+            spec = dataclasses.replace(spec, gpu=dataclasses.replace(gpu, sharing=EXCLUSIVE))
+        return super().plan(spec)
+
+
+class EmptyChoiceMeansNone(BrokenDriver):
+    """An empty mig_profile or vendor ("", 0) counts as not given: a default GPU is served."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name)
+        if block is not None and any(key in block and not block[key] for key in CHOICE_KEYS):
+            kept = {k: v for k, v in block.items() if k not in CHOICE_KEYS or v}
+            spec = _with_block(spec, self.name, kept)
+        return super().plan(spec)
+
+
+class ExactIdsOverrideChoice(BrokenDriver):
+    """Exact IDs beside a mig_profile or vendor: the IDs win, the choice is dropped silently."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name)
+        if block is not None and DEVICE_IDS_KEY in block:
+            kept = {k: v for k, v in block.items() if k not in CHOICE_KEYS}
+            spec = _with_block(spec, self.name, kept)
+        return super().plan(spec)
+
+
+class SpecEnvCannotOverrideDefaults(BrokenDriver):
+    """The driver's PATH, HOME and LANG go over the spec's env: the spec cannot change them."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return {**extra, **super().sandbox_env({})}
+
+
+class _ClosedFlagOnlySandbox(ReferenceSandbox):
+    def _check_running(self, argv: Sequence[str]) -> None:
+        if self.closed:  # the flag is enough, no /proc read per exec
+            raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
+
+
+class ExecSkipsLivenessCheck(BrokenDriver):
+    """exec checks only close(): in a sandbox that died, nsenter's failure comes back as exit 1."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _ClosedFlagOnlySandbox
+
+
+class ReapTakesOtherClientsLeases(BrokenDriver):
+    """reap drops every lease of the session, whichever driver or client of the registry took it."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        reaped = super().reap(session_id)
+        released = self.host.leases.release_session(session_id)  # no driver= filter
+        return sorted({*reaped, *(lease.sandbox_id for lease in released)})
+
+
+class _ReleasesByPhysicalGpu(ReferenceSandbox):
+    def close(self) -> None:
+        was_open = not self.closed
+        super().close()
+        parents = {gpu.parent_uuid for gpu in self.gpus if gpu.parent_uuid}
+        if was_open and parents and self._leases is not None:  # "free the GPU"
+            with self._leases._locked(reclaim=False) as leases:
+                leases[:] = [lease for lease in leases if lease.parent_uuid not in parents]
+
+
+class MigCloseReleasesSiblings(BrokenDriver):
+    """Closing a MIG sandbox drops every lease on its GPU's instances, others' siblings too."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    SANDBOX = _ReleasesByPhysicalGpu
+
+
+class GrantsGpuWithItsOwnInstance(BrokenDriver):
+    """Exact IDs are told apart by UUID alone: a GPU whole and one of its instances, granted."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        index = self.device_index()
+        chosen = {gpu.uuid: gpu for device_id in plan.device_ids for gpu in index[device_id]}
+        return tuple(chosen.values())
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
