@@ -177,6 +177,27 @@ def device_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     return nodes
 
 
+_REFUSALS = ("Permission denied", "Operation not permitted", "Read-only file system")
+"""An open refused: a nodev mount, the device cgroup, a read-only bind. A GPU that no
+driver of the host drives (a simulated one) opens with ENXIO instead, which is no refusal."""
+
+
+def refused_nodes(sandbox: Sandbox, paths: Iterable[str]) -> dict[str, str]:
+    """Of ``paths``, the device nodes a command inside may not open read-write, and why."""
+    __tracebackhide__ = True
+    paths = sorted(set(paths))
+    if not paths:
+        return {}
+    script = 'for n; do e=$( (exec 3<>"$n") 2>&1 ) || echo "$n|$e"; done; true'
+    result = sandbox.exec(["sh", "-c", script, "sh", *paths]).check()
+    refused = {}
+    for line in result.stdout.splitlines():
+        path, _, why = line.partition("|")
+        if any(refusal in why for refusal in _REFUSALS):
+            refused[path] = why.strip()
+    return refused
+
+
 def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     """The NVIDIA GPU nodes (195:0-253) under the sandbox's /dev."""
     __tracebackhide__ = True

@@ -11,6 +11,7 @@ from conformance.observe import (
     device_nodes,
     foreign_gpu_nodes,
     probed_dri,
+    refused_nodes,
     uuids,
     visible_dri,
     visible_gpu_uuids,
@@ -55,6 +56,9 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
         {node.path for gpu in given for node in gpu.nodes if (node.major, node.minor) not in held}
     )
     assert not missing, f"given {sorted(wanted)}, the sandbox lacks their nodes {missing}"
+    ours = {(n.major, n.minor) for gpu in given for n in gpu.nodes}
+    refused = refused_nodes(sandbox, [n.path for n in nodes if (n.major, n.minor) in ours])
+    assert not refused, f"given {sorted(wanted)}, the sandbox may not open {refused}"
     probed = probed_dri(sandbox)
     if driver.host.simulated:
         assert probed == wanted, f"given {sorted(wanted)}, the probe inside reports {probed}"
@@ -128,6 +132,17 @@ def test_a_held_dri_gpu_is_never_granted_again(
         assert isinstance(refused, GpuBusy), (
             f"{held.describe()} is held; the host registry's other clients were told {refused!r}"
         )
+        # Beside a free GPU of another kind, either way round: refused whole, taking nothing.
+        free = next((gpu for gpu in driver.inventory() if gpu.vendor != held.vendor), None)
+        if free is not None and driver.capabilities.max_gpus_per_sandbox >= 2:
+            pair = (driver.device_ids(free)[0], driver.device_ids(held)[0])
+            for ids in (pair, pair[::-1]):
+                leases = driver.host.leases.leases()
+                with pytest.raises(GpuBusy):
+                    sandboxes(_exact(driver, *ids))
+                assert driver.host.leases.leases() == leases, f"the refused {ids} left a lease"
+            with sandboxes(_exact(driver, pair[0])) as alone:
+                assert uuids(alone) == [free.uuid], f"the refused {pair} took {free.describe()}"
         rest = len(of_vendor) - 1
         if rest:
             others = sandboxes(_vendor(driver, vendor, rest))

@@ -29,7 +29,7 @@ from drivers.reference import ReferenceDriver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.host import GpuHost
-from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.leases import PROCESS, Holder, LeaseOwner, boot_id, process_start_time
 from gpuhost.spec import SandboxSpec
 
 LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
@@ -167,3 +167,38 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
                     SandboxSpec.with_gpus(driver=driver.name, device_ids=[first_free])
                 )
                 assert uuids(still) == [free[0].uuid], "a refused exact request took a GPU"
+
+
+@pytest.mark.requirement("GPU-HOSTWIDE-01")
+def test_leases_of_holders_that_are_gone_hold_nothing(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A registry lease whose process is gone (its pid reused, another boot) MUST hold nothing."""
+    me, start = os.getpid(), process_start_time(os.getpid())
+    gone = {
+        "whose pid another process now has": Holder(PROCESS, f"{boot_id()}:{me}:{int(start) + 1}"),
+        "of an earlier boot": Holder(PROCESS, f"{uuid4()}:{me}:{start}"),
+    }
+    inventory = driver.inventory()
+    leased = dict(zip(gone, inventory, strict=False))
+    owners = {
+        why: LeaseOwner("gpu-lease", f"gone-{uuid4().hex}", f"other-{uuid4().hex}", holder)
+        for why, holder in gone.items()
+        if why in leased
+    }
+    for why, owner in owners.items():
+        driver.host.leases.acquire([leased[why]], owner, exact=[leased[why]])
+    try:
+        if driver.capabilities.exact_ids:
+            specs = [
+                SandboxSpec.with_gpus(driver=driver.name, device_ids=[driver.device_ids(gpu)[0]])
+                for gpu in leased.values()
+            ]
+        else:
+            specs = [SandboxSpec.with_gpus()] * len(inventory)
+        got = {uuid for sandbox in create_side_by_side(sandboxes, specs) for uuid in uuids(sandbox)}
+        kept = {why: gpu.uuid for why, gpu in leased.items() if gpu.uuid not in got}
+        assert not kept, f"leases of holders that are gone still hold GPUs: {kept}"
+    finally:
+        for owner in owners.values():
+            driver.host.leases.release(owner.sandbox_id)

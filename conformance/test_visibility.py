@@ -8,14 +8,19 @@ import pytest
 
 from conformance.observe import (
     create_side_by_side,
+    device_nodes,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
+    refused_nodes,
     uuids,
     visible_gpu_uuids,
 )
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
+
+CUDA_CONTROL_NODES = frozenset({"/dev/nvidiactl", "/dev/nvidia-uvm"})
+"""What CUDA opens besides a GPU's own node: without them it cannot initialise."""
 
 
 @pytest.mark.requirement("GPU-NONE-01")
@@ -114,4 +119,10 @@ def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
     )
     foreign = foreign_gpu_nodes(sandbox, driver)
     assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
+    # And what CUDA opens is there to open: the GPUs' nodes, nvidiactl and nvidia-uvm.
+    present = {node.path for node in device_nodes(sandbox)}
+    missing = sorted(CUDA_CONTROL_NODES - present)
+    assert not missing, f"sandbox {sandbox.id} has NVIDIA GPUs but not {missing}"
+    refused = refused_nodes(sandbox, [*CUDA_CONTROL_NODES, *(node.path for node in nodes)])
+    assert not refused, f"sandbox {sandbox.id} may not open its GPU nodes: {refused}"
     assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))

@@ -92,8 +92,9 @@ build() {
   work=$(mktemp -d "$CACHE/.build.XXXXXX")
   trap 'rm -rf "${work:-}"' EXIT
   log "fetching $package $version"
-  (cd "$work" && apt-get download "$package=$version" 2>/dev/null) \
-    || (cd "$work" && apt-get download "$package=$version")
+  # Its progress to stderr: stdout is the image's path alone (make keeps it in .vm-image).
+  (cd "$work" && apt-get download "$package=$version" 2>/dev/null >&2) \
+    || (cd "$work" && apt-get download "$package=$version" >&2)
   dpkg-deb -x "$work"/"$package"_*.deb "$work/kernel"
   local release
   release=$(ls "$work/kernel/lib/modules")

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -1402,6 +1402,93 @@ class GrantsGpuWithItsOwnInstance(BrokenDriver):
         index = self.device_index()
         chosen = {gpu.uuid: gpu for device_id in plan.device_ids for gpu in index[device_id]}
         return tuple(chosen.values())
+
+
+class GpuNodesNodev(BrokenDriver):
+    """Binds GPU and control nodes with --ro-bind, "read-only for safety": nodev, none opens."""
+
+    BREAKS = "GPU-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        return ["--ro-bind" if arg == "--dev-bind" else arg for arg in argv]
+
+
+class OmitsUvmNode(BrokenDriver):
+    """Of NVIDIA's control nodes binds nvidiactl alone, not nvidia-uvm: CUDA cannot start."""
+
+    BREAKS = "GPU-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        kept: list[str] = []
+        at = 0
+        while at < len(argv):
+            if argv[at] == "--dev-bind" and argv[at + 2].startswith("/dev/nvidia-uvm"):
+                at += 3
+                continue
+            kept.append(argv[at])
+            at += 1
+        return kept
+
+
+def _pid_alive(holder: Holder) -> bool:
+    """`kill -0 <pid>`: the holder's boot and start time go unread."""
+    try:
+        os.kill(int(holder.ref.split(":")[1]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, IndexError, PermissionError):
+        return True
+    return True
+
+
+class _PidOnlyRegistry(LeaseRegistry):
+    @contextlib.contextmanager
+    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[list[Lease]]:
+        with self._exclusive():
+            stored = self._load()
+            leases = [
+                lease
+                for lease in stored
+                if not reclaim
+                or (
+                    lease not in drop and (lease.holder.kind != PROCESS or _pid_alive(lease.holder))
+                )
+            ]
+            yield leases
+            if leases != stored:
+                self._store(leases)
+
+
+class PidOnlyLiveness(BrokenDriver):
+    """Judges a process holder by its pid alone: a reused pid, or another boot's, keeps GPUs."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        registry = _PidOnlyRegistry(host.leases.directory)
+        super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
+
+
+class MixedVendorPartialLeak(BrokenDriver):
+    """Leases exact NVIDIA and DRI GPUs in two steps; a busy second step keeps the first."""
+
+    BREAKS = "DRI-EXCLUSIVE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        nvidia = tuple(gpu for gpu in plan.gpus if gpu.vendor == "nvidia")
+        dri = tuple(gpu for gpu in plan.gpus if gpu.vendor != "nvidia")
+        if not (nvidia and dri):
+            return super().allocate(sandbox_id, plan)
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+
+        def take(gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
+            return self.host.leases.acquire(gpus, owner, count=len(gpus), exact=gpus)
+
+        granted = take(nvidia) + take(dri)  # GpuBusy in the second: the first stays leased
+        order = {gpu.uuid: at for at, gpu in enumerate(plan.gpus)}
+        return tuple(sorted(granted, key=lambda gpu: order[gpu.uuid]))
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(

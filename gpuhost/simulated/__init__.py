@@ -6,6 +6,8 @@
   ``nvidiactl`` (195:255), ``nvidia-uvm`` and ``nvidia-uvm-tools``. ``stat()`` works on
   them and ``open()`` fails with ENXIO, exactly as on a host whose driver is unloaded, so a
   sandbox can be given (or denied) a GPU by its device node, as on a real host;
+- ``share/control-nodes.tsv``: name, major and minor of each control node (for a guest
+  kernel to make them as the host has them);
 - ``share/inventory.tsv``: minor, UUID, name, PCI bus id and memory of every GPU; as on
   real hosts, the minors are not in PCI order (GPU 0 is not ``/dev/nvidia0``), so a driver
   must carry each GPU by its own node;
@@ -171,6 +173,9 @@ def setup(
         _mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
     for name, major, minor in _CONTROL_NODES:
         _mknod(dev / name, major, minor)
+    (root / "share" / "control-nodes.tsv").write_text(
+        "# name\tmajor\tminor\n" + "".join(f"{n}\t{ma}\t{mi}\n" for n, ma, mi in _CONTROL_NODES)
+    )
     (root / "share" / "inventory.tsv").write_text(
         "# minor\tuuid\tname\tpci.bus_id\tmemory.total [MiB]\n"
         + "".join("\t".join(map(str, row)) + "\n" for row in sorted(rows))
