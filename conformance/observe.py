@@ -177,6 +177,8 @@ def device_nodes(sandbox: Sandbox) -> list[NodeSeen]:
     return nodes
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
 _REFUSALS = ("Permission denied", "Operation not permitted", "Read-only file system")
 """An open refused: a nodev mount, the device cgroup, a read-only bind. A GPU that no
 driver of the host drives (a simulated one) opens with ENXIO instead, which is no refusal."""
@@ -196,6 +198,26 @@ def refused_nodes(sandbox: Sandbox, paths: Iterable[str]) -> dict[str, str]:
         if any(refusal in why for refusal in _REFUSALS):
             refused[path] = why.strip()
     return refused
+
+
+def opens_a_node_it_makes(sandbox: Sandbox, major: int, minor: int) -> str | None:
+    """What a command inside gets when it makes the node ``major:minor`` and opens it.
+
+    None where it may not: making it is refused (no CAP_MKNOD), or opening it (the device
+    cgroup, a nodev mount). On a kernel of the sandbox's own (a VM) the host's numbers name
+    nothing of the host's: None too.
+    """
+    __tracebackhide__ = True
+    script = (
+        f'[ "$(cat {BOOT_ID})" = "$1" ] || exit 0; d=$(mktemp -d) || exit 0; '
+        f'if mknod "$d/node" c {major} {minor} 2>/dev/null; then '
+        'e=$( (exec 3<>"$d/node") 2>&1 ) && echo opened || echo "$e"; fi; rm -rf "$d"'
+    )
+    boot = BOOT_ID.read_text().strip()
+    got = sandbox.exec(["sh", "-c", script, "sh", boot]).check().stdout.strip()
+    if not got or any(refusal in got for refusal in _REFUSALS):
+        return None
+    return got
 
 
 def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:

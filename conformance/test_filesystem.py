@@ -54,16 +54,26 @@ def _write_in_each(name: str) -> str:
     return f'while read -r d; do echo x > "$d/{name}"; done 2>/dev/null'
 
 
+ENGINE_SOCKETS = (
+    "/run/docker.sock",
+    "/run/podman/podman.sock",
+    "/run/containerd/containerd.sock",
+    "/run/crio/crio.sock",
+)
+"""The engines' API sockets: whoever reaches one is root on the host."""
+
+
 def _private_places(driver: Driver) -> dict[Path, bool]:
     """What no sandbox may mount whole, under any name: homes, /var/tmp, the lease registry.
 
     True: nor any part of it. A part of a home may be a program's (a Python installed under
     ~/.pyenv that a sandbox runs), a part of the registry's directory a sandbox's own (the
-    keepalive FIFO of a container); the lease file is no sandbox's.
+    keepalive FIFO of a container); the lease file and the engines' sockets are no sandbox's.
     """
     registry = driver.host.leases.directory
     whole = [*_homes(), Path("/var/tmp"), registry]
-    return {**dict.fromkeys(whole, False), registry / LEASE_FILE: True}
+    sockets = [Path(socket) for socket in ENGINE_SOCKETS if os.path.exists(socket)]
+    return {**dict.fromkeys(whole, False), **dict.fromkeys([registry / LEASE_FILE, *sockets], True)}
 
 
 @dataclass(frozen=True)
@@ -149,16 +159,18 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
     # In every directory a sandbox can write to: /tmp, /dev/shm, its home, wherever; one with
     # a GPU too (a cache shared by GPU sandboxes is a file of another sandbox), closed after.
     write = f"{EVERY_DIRECTORY} | {_write_in_each(f'{marker}-sandbox')}; true"
-    sandboxes(SandboxSpec()).exec(["sh", "-c", write])
+    first = sandboxes(SandboxSpec())
+    first.exec(["sh", "-c", write])
     with sandboxes(SandboxSpec.with_gpus()) as gpu_writer:
         gpu_writer.exec(["sh", "-c", write])
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
         for second in (sandboxes(SandboxSpec()), sandboxes(SandboxSpec.with_gpus())):
-            # Everywhere but the kernel's file systems and /usr, which only holds programs.
+            # Everywhere but the kernel's file systems and /usr, which only holds programs; and
+            # what the driver keeps of the first sandbox (a keepalive FIFO, a socket) by its id.
             search = (
                 "find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o "
-                f"-name '{marker}*' -print 2>/dev/null; true"
+                f"\\( -name '{marker}*' -o -name '*{first.id}*' \\) -print 2>/dev/null; true"
             )
             found = second.exec(["sh", "-c", search]).check().stdout.split()
             assert found == [], (

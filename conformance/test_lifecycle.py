@@ -36,6 +36,10 @@ def test_close_releases_and_is_idempotent(driver: Driver, sandboxes: SandboxFact
         taken = [sandboxes(spec) for spec in specs_for_all_gpus(driver)]
         for sandbox in taken:
             sandbox.close()
+            # Released once it is gone, not while it still runs and could use them.
+            assert sandbox.id not in driver.sandboxes(driver.session_id), (
+                f"close of sandbox {sandbox.id} returned while it still exists"
+            )
     first = sandboxes(SandboxSpec.with_gpus())
     first.close()
     second = sandboxes(SandboxSpec.with_gpus())
@@ -326,7 +330,8 @@ def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> Non
         # The command keeps printing for 12 s: the timeout bounds its whole run, not a silence.
         marker = f"{60 + number + time.time_ns() % 1000 / 1000:.3f}"
         chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
-        script = f"setsid sleep {marker} & {chatty}"
+        # Deaf to every signal it may ignore, as are its children: only SIGKILL ends them.
+        script = f"trap '' HUP INT QUIT TERM; setsid sleep {marker} & {chatty}"
         start = time.monotonic()
         with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
             run(["sh", "-c", script], timeout=0.5)

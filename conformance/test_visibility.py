@@ -11,12 +11,14 @@ from conformance.observe import (
     device_nodes,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
+    opens_a_node_it_makes,
     refused_nodes,
     uuids,
     visible_gpu_uuids,
 )
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
+from gpuhost.devices import NVIDIA_MAJOR
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
 
 CUDA_CONTROL_NODES = frozenset({"/dev/nvidiactl", "/dev/nvidia-uvm"})
@@ -125,4 +127,13 @@ def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
     assert not missing, f"sandbox {sandbox.id} has NVIDIA GPUs but not {missing}"
     refused = refused_nodes(sandbox, [*CUDA_CONTROL_NODES, *(node.path for node in nodes)])
     assert not refused, f"sandbox {sandbox.id} may not open its GPU nodes: {refused}"
+    # Nor can a command inside make a node of another GPU and reach it (a privileged sandbox).
+    own = {node.minor for node in nodes}
+    other = next((gpu for gpu in driver.inventory() if gpu.minor not in {*own, None}), None)
+    if other is not None and other.minor is not None:
+        reached = opens_a_node_it_makes(sandbox, NVIDIA_MAJOR, other.minor)
+        assert reached is None, (
+            f"sandbox {sandbox.id} made the node of {other.uuid} (195:{other.minor}) and "
+            f"opened it: {reached}"
+        )
     assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))

@@ -7,12 +7,19 @@ engines' drivers. ``BREAKS`` names the requirement the catalogue must fail for i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import shlex
 from collections.abc import Sequence
 from typing import ClassVar
 
-from drivers.container import ContainerDriver
+from drivers.container import (
+    _KEEPALIVE_SCRIPT,
+    KEEPALIVE_PATH,
+    ContainerDriver,
+    ContainerRequest,
+)
 from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
 from gpuhost import cdi
@@ -83,6 +90,42 @@ class AllHoldsOne(BrokenContainerDriver):
         return super().resolve(plan)
 
 
+class CloseReturnsEarly(BrokenContainerDriver):
+    """close returns once the keepalive is closed: the leases go back while the container runs."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    def stop_container(self, container_id: str) -> None:
+        return None
+
+
+class KeepaliveDirMounted(BrokenContainerDriver):
+    """Binds the keepalive directory, every sandbox's FIFO in it, not the sandbox's own FIFO."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def create_container(self, request: ContainerRequest) -> str:
+        own = f"{KEEPALIVE_PATH}/{request.keepalive.name}"
+        script = _KEEPALIVE_SCRIPT.replace(KEEPALIVE_PATH, shlex.quote(own))
+        changed = dataclasses.replace(
+            request, keepalive=request.keepalive.parent, command=("sh", "-c", script)
+        )
+        return super().create_container(changed)  # type: ignore[safe-super]
+
+
+class EngineSocketMounted(BrokenContainerDriver):
+    """Mounts the engine's API socket, for sandboxes that start sibling containers."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def create_container(self, request: ContainerRequest) -> str:
+        socket = self.url.removeprefix("unix://")
+        changed = dataclasses.replace(
+            request, tool_mounts=(*request.tool_mounts, (socket, "/var/run/engine.sock"))
+        )
+        return super().create_container(changed)  # type: ignore[safe-super]
+
+
 class DockerRoundRobinDefault(RoundRobinDefault, DockerDriver):
     pass
 
@@ -123,6 +166,30 @@ class PodmanAllHoldsOne(AllHoldsOne, PodmanDriver):
     pass
 
 
+class DockerCloseReturnsEarly(CloseReturnsEarly, DockerDriver):
+    pass
+
+
+class DockerKeepaliveDirMounted(KeepaliveDirMounted, DockerDriver):
+    pass
+
+
+class DockerEngineSocketMounted(EngineSocketMounted, DockerDriver):
+    pass
+
+
+class PodmanCloseReturnsEarly(CloseReturnsEarly, PodmanDriver):
+    pass
+
+
+class PodmanKeepaliveDirMounted(KeepaliveDirMounted, PodmanDriver):
+    pass
+
+
+class PodmanEngineSocketMounted(EngineSocketMounted, PodmanDriver):
+    pass
+
+
 ALL: tuple[type[BrokenContainerDriver], ...] = (
     DockerRoundRobinDefault,
     DockerAllOnDefault,
@@ -134,4 +201,10 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     PodmanLeaseKeptAfterRemoval,
     PodmanInjectsNeighbour,
     PodmanAllHoldsOne,
+    DockerCloseReturnsEarly,
+    DockerKeepaliveDirMounted,
+    DockerEngineSocketMounted,
+    PodmanCloseReturnsEarly,
+    PodmanKeepaliveDirMounted,
+    PodmanEngineSocketMounted,
 )

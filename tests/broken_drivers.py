@@ -1491,6 +1491,17 @@ class MixedVendorPartialLeak(BrokenDriver):
         return tuple(sorted(granted, key=lambda gpu: order[gpu.uuid]))
 
 
+class SharesHostNetwork(BrokenDriver):
+    """Keeps the host's network namespace (--share-net), so workloads can download models."""
+
+    BREAKS = "SANDBOX-NS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        at = argv.index("--unshare-all") + 1
+        return [*argv[:at], "--share-net", *argv[at:]]
+
+
 ALL: tuple[type[BrokenDriver], ...] = tuple(
     cls
     for cls in list(globals().values())

@@ -1,0 +1,55 @@
+"""A sandbox's namespaces: no network or process namespace of the host's or another's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conformance.plugin import SandboxFactory
+from drivers.base import Sandbox
+from gpuhost.spec import SandboxSpec
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+KINDS = ("net", "pid")
+"""Network (its loopback services, its abstract sockets) and processes (their /proc/<pid>/root
+reaches their files, their signals)."""
+
+
+def _namespaces(sandbox: Sandbox) -> dict[str, str] | None:
+    """The sandbox's namespaces (``net:[<inode>]``...); None on a kernel of its own.
+
+    A sandbox on another kernel (a VM, a remote node) cannot share this one's namespaces.
+    """
+    each = f"for kind in {' '.join(KINDS)}; do readlink /proc/self/ns/$kind; done"
+    inside = sandbox.exec(["sh", "-c", f"cat {BOOT_ID}; {each}"]).check()
+    boot, *names = inside.stdout.splitlines()
+    if boot.strip() != BOOT_ID.read_text().strip():
+        return None
+    found = dict(zip(KINDS, (name.strip() for name in names), strict=False))
+    assert all(found.get(kind, "").startswith(f"{kind}:[") for kind in KINDS), (
+        f"cannot read the sandbox's namespaces: {inside}"
+    )
+    return found
+
+
+@pytest.mark.requirement("SANDBOX-NS-01")
+def test_each_sandbox_has_namespaces_of_its_own(sandboxes: SandboxFactory) -> None:
+    """A sandbox MUST have network and pid namespaces of its own, not the host's or another's."""
+    host = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in KINDS}
+    seen: dict[str, str] = {}
+    for spec in (SandboxSpec.with_gpus(), SandboxSpec(), SandboxSpec()):
+        sandbox = sandboxes(spec)
+        namespaces = _namespaces(sandbox)
+        if namespaces is None:
+            continue  # its own kernel
+        for kind, namespace in namespaces.items():
+            assert namespace != host[kind], (
+                f"sandbox {sandbox.id} shares the host's {kind} namespace ({namespace})"
+            )
+            assert namespace not in seen, (
+                f"sandboxes {seen.get(namespace)} and {sandbox.id} share {kind} namespace "
+                f"{namespace}"
+            )
+            seen[namespace] = sandbox.id
