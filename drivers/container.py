@@ -593,6 +593,10 @@ def _close_keepalives_in_child() -> None:
 os.register_at_fork(after_in_child=_close_keepalives_in_child)
 
 
+KILL_RESCAN_S = 0.05
+"""How often a fired exec timeout looks again for what the exec started."""
+
+
 class _Timeout(threading.Timer):
     """Kills, when it fires, every process an exec started: those carrying its marker.
 
@@ -609,5 +613,9 @@ class _Timeout(threading.Timer):
         self._needle = needle
 
     def _kill(self) -> None:
+        # Until the exec returns: under load the engine may start the command only after the
+        # timeout, when one scan would find nothing, and the command would run unbounded.
         self.fired = True
-        kill_marked(self._needle)
+        while not self.finished.is_set():
+            kill_marked(self._needle)
+            self.finished.wait(KILL_RESCAN_S)
