@@ -25,6 +25,8 @@ from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec, parse_spec
 from gpuhost.wait import wait_for, wait_until
 
+ENDED_TIMEOUT_S = 60.0
+"""How long a killed sandbox may take to be gone, on a loaded machine too."""
 LONG = 1 << 20
 """A mebibyte on each stream: more than any pipe or stream buffer holds at once."""
 
@@ -298,10 +300,11 @@ def test_exec_in_an_ended_sandbox_fails(
     """Exec MUST fail with SandboxExecError in a sandbox that was killed, or closed."""
     sandbox = sandboxes(SandboxSpec())
     sandbox.kill()
+    # How soon it ends is not this test's: GPU-RECLAIM-01 bounds that.
     wait_for(
         lambda: driver.sandboxes(driver.session_id),
         lambda listed: sandbox.id not in listed,
-        timeout_s=settings.reclaim_timeout_s,
+        timeout_s=max(settings.reclaim_timeout_s, ENDED_TIMEOUT_S),
         what=f"killed sandbox {sandbox.id} to end",
     )
     for way, run in _ways_to_run(sandbox).items():
