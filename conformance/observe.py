@@ -178,6 +178,7 @@ def device_nodes(sandbox: Sandbox) -> list[NodeSeen]:
 
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+"""This kernel's boot: a sandbox that reads another runs on a kernel of its own (a VM)."""
 
 _REFUSALS = ("Permission denied", "Operation not permitted", "Read-only file system")
 """An open refused: a nodev mount, the device cgroup, a read-only bind. A GPU that no

@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from conformance.observe import BOOT_ID
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
 from gpuhost.leases import LEASE_FILE
@@ -112,9 +113,9 @@ def _mounts_exposing(sandbox: Sandbox, places: dict[Path, bool]) -> list[str]:
     Only where the sandbox runs on this kernel (a container, a namespace): a VM's device
     numbers are its own kernel's.
     """
-    inside = sandbox.exec(["cat", "/proc/sys/kernel/random/boot_id", "/proc/self/mountinfo"])
+    inside = sandbox.exec(["cat", str(BOOT_ID), "/proc/self/mountinfo"])
     boot, _, table = inside.check().stdout.partition("\n")
-    if boot.strip() != Path("/proc/sys/kernel/random/boot_id").read_text().strip():
+    if boot.strip() != BOOT_ID.read_text().strip():
         return []
     host = _mountinfo(Path("/proc/self/mountinfo").read_text())
     private = [

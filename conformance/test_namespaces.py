@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
+from conformance.observe import BOOT_ID
 from conformance.plugin import SandboxFactory
 from drivers.base import Sandbox
 from gpuhost.spec import SandboxSpec
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 KINDS = ("net", "pid")
 """Network (its loopback services, its abstract sockets) and processes (their /proc/<pid>/root
 reaches their files, their signals)."""
