@@ -221,18 +221,19 @@ def opens_a_node_it_makes(sandbox: Sandbox, major: int, minor: int) -> str | Non
     return got
 
 
-def nvidia_gpu_nodes(sandbox: Sandbox) -> list[NodeSeen]:
-    """The NVIDIA GPU nodes (195:0-253) under the sandbox's /dev."""
-    __tracebackhide__ = True
+def nvidia_gpu_nodes(nodes: Sequence[NodeSeen]) -> list[NodeSeen]:
+    """The NVIDIA GPU nodes (195:0-253) among a sandbox's ``nodes`` (``device_nodes``)."""
     return [
         node
-        for node in device_nodes(sandbox)
+        for node in nodes
         if node.major == NVIDIA_MAJOR and node.minor not in _NVIDIA_CONTROL_MINORS
     ]
 
 
-def foreign_gpu_nodes(sandbox: Sandbox, driver: Driver) -> list[NodeSeen]:
-    """GPU device nodes in the sandbox that are neither its GPUs' own nor control nodes.
+def foreign_gpu_nodes(
+    sandbox: Sandbox, driver: Driver, nodes: Sequence[NodeSeen]
+) -> list[NodeSeen]:
+    """Of the sandbox's ``nodes``, the GPU nodes that are neither its GPUs' own nor control nodes.
 
     Any node that reaches a GPU counts, whatever its kind: NVIDIA's, DRM card and render
     nodes, nvidia-caps, AMD's kfd, and the (simulated) host's own GPU-related majors.
@@ -244,9 +245,7 @@ def foreign_gpu_nodes(sandbox: Sandbox, driver: Driver) -> list[NodeSeen]:
         allowed |= {(n.major, n.minor) for n in driver.host.control_nodes}
     majors = gpu_device_majors(driver.host.device_majors)
     return [
-        node
-        for node in device_nodes(sandbox)
-        if node.major in majors and (node.major, node.minor) not in allowed
+        node for node in nodes if node.major in majors and (node.major, node.minor) not in allowed
     ]
 
 

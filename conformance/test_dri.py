@@ -62,7 +62,7 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
     probed = probed_dri(sandbox)
     if driver.host.simulated:
         assert probed == wanted, f"given {sorted(wanted)}, the probe inside reports {probed}"
-    foreign = foreign_gpu_nodes(sandbox, driver)
+    foreign = foreign_gpu_nodes(sandbox, driver, nodes)
     assert foreign == [], f"a sandbox given {sorted(wanted)} also holds {foreign}"
     if all(gpu.vendor != "nvidia" for gpu in given):
         assert visible_gpu_uuids(sandbox) == [], "a sandbox with no NVIDIA GPU sees one"

@@ -8,6 +8,7 @@ import pytest
 
 from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
+    device_nodes,
     expect_refusal,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
@@ -180,15 +181,16 @@ def test_only_its_own_instances_capabilities_are_inside(
     requests = [[instances[-1]], [migs[0] for migs in by_gpu.values()][:2]]
     for group in requests:
         sandbox = sandboxes(_exact(driver, *(driver.device_ids(mig)[0] for mig in group)))
-        foreign = foreign_gpu_nodes(sandbox, driver)
+        seen = device_nodes(sandbox)
+        foreign = foreign_gpu_nodes(sandbox, driver, seen)
         assert foreign == [], f"a sandbox given {[m.uuid for m in group]} also holds {foreign}"
         minors = sorted({mig.minor for mig in group if mig.minor is not None})
-        nodes = sorted({node.minor for node in nvidia_gpu_nodes(sandbox)})
+        nodes = sorted({node.minor for node in nvidia_gpu_nodes(seen)})
         assert nodes == minors, f"{[m.uuid for m in group]}'s GPU minors: {minors}, inside {nodes}"
         sandbox.close()
     if driver.capabilities.mig_profiles:  # asked by profile, not by name: the same nodes
         sandbox = sandboxes(_profile(driver, instances[-1].profile))
-        foreign = foreign_gpu_nodes(sandbox, driver)
+        foreign = foreign_gpu_nodes(sandbox, driver, device_nodes(sandbox))
         assert foreign == [], f"a sandbox given {uuids(sandbox)} by profile also holds {foreign}"
 
 

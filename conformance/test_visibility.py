@@ -34,7 +34,7 @@ def test_no_gpu_request_sees_no_gpu(driver: Driver, sandboxes: SandboxFactory) -
     for spec in (SandboxSpec(), vendor_only):
         sandbox = sandboxes(spec)
         assert sandbox.gpus == (), f"{spec.to_dict()} asks for no GPU; got {uuids(sandbox)}"
-        assert foreign_gpu_nodes(sandbox, driver) == []
+        assert foreign_gpu_nodes(sandbox, driver, device_nodes(sandbox)) == []
         assert visible_gpu_uuids(sandbox) == []
 
 
@@ -115,14 +115,15 @@ def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
         f"the driver reports GPUs without a device minor: {sandbox.gpus}"
     )
     expected = sorted(gpu.minor for gpu in sandbox.gpus if gpu.minor is not None)
-    nodes = nvidia_gpu_nodes(sandbox)
+    seen = device_nodes(sandbox)
+    nodes = nvidia_gpu_nodes(seen)
     assert sorted(node.minor for node in nodes) == expected, (
         f"assigned GPU minors {expected}, but the sandbox holds {nodes}"
     )
-    foreign = foreign_gpu_nodes(sandbox, driver)
+    foreign = foreign_gpu_nodes(sandbox, driver, seen)
     assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
     # And what CUDA opens is there to open: the GPUs' nodes, nvidiactl and nvidia-uvm.
-    present = {node.path for node in device_nodes(sandbox)}
+    present = {node.path for node in seen}
     missing = sorted(CUDA_CONTROL_NODES - present)
     assert not missing, f"sandbox {sandbox.id} has NVIDIA GPUs but not {missing}"
     refused = refused_nodes(sandbox, [*CUDA_CONTROL_NODES, *(node.path for node in nodes)])
