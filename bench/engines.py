@@ -15,6 +15,7 @@ registered with the engines for the duration (``make conformance`` registers its
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import Holder
 
 CDI_DIR = Path("/var/run/cdi")
 
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-engines-") as tmp:
-        sim = simulated.setup(Path(tmp) / "sim", 8, cdi_dir=CDI_DIR)
+        owner = Holder.process(os.getpid())
+        sim = simulated.setup(Path(tmp) / "sim", 8, cdi_dir=CDI_DIR, owner=owner)
         try:
             host = GpuHost.open(HostConfig(sim_root=sim.root))
             print(f"host: {host.describe()}")

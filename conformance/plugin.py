@@ -34,7 +34,7 @@ from drivers import REGISTRY, UnknownDriver, get_driver_class, reap_session
 from drivers.base import Driver, Sandbox
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import DEFAULT_SHARE_LIMIT
+from gpuhost.leases import DEFAULT_SHARE_LIMIT, Holder
 from gpuhost.spec import SandboxSpec
 
 
@@ -232,6 +232,8 @@ def _simulated_host_for_this_run(
     """A simulated host of the run's own under /run (a tmpfs), registered with the engines."""
     base = SIM_RUN_DIR if os.access(SIM_RUN_DIR.parent, os.W_OK) else Path(tempfile.gettempdir())
     registry = CDI_RUN_DIR if os.access(CDI_RUN_DIR.parent, os.W_OK) else None
+    for gone in simulated.sweep(base):
+        sys.stderr.write(f"removed {gone}: the simulated host of a run that ended without it\n")
     try:
         return simulated.setup(
             base / f"run-{session_id}",
@@ -239,6 +241,7 @@ def _simulated_host_for_this_run(
             registry,
             simulated.parse_mig_layout(mig),
             simulated.parse_dri_layout(dri),
+            owner=Holder.process(os.getpid()),
         )
     except simulated.SimulatedHostError as exc:
         raise pytest.UsageError(

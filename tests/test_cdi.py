@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import yaml
 
 from gpuhost import cdi, simulated
 from gpuhost.devices import DeviceNode, GpuDevice
+from gpuhost.leases import Holder
 
 DATA = Path(__file__).parent / "data" / "cdi"
 T4_SPEC = DATA / "cdi-spec.nvidia-ctk.T4-g4dn.xlarge.570.133.20.yaml"
@@ -102,6 +105,18 @@ def test_setup_prunes_registrations_of_hosts_that_are_gone(tmp_path: Path) -> No
     crashed = simulated.setup(tmp_path / "crashed", 1, cdi_dir=registered)
     shutil.rmtree(crashed.root)  # a run killed before its teardown
     alive = simulated.setup(tmp_path / "alive", 1, cdi_dir=registered)
+    assert [p.read_text() for p in registered.iterdir()] == [alive.cdi_spec.read_text()]
+
+
+def test_setup_removes_registered_hosts_whose_owner_is_gone(tmp_path: Path) -> None:
+    """A host left by a killed run, still on disk (a test's kept tmp dir): owner gone, removed."""
+    registered = tmp_path / "cdi"
+    ended = subprocess.Popen(["sleep", "30"])
+    crashed = simulated.setup(tmp_path / "crashed", 1, registered, owner=Holder.process(ended.pid))
+    ended.kill()
+    ended.wait()
+    alive = simulated.setup(tmp_path / "alive", 1, registered, owner=Holder.process(os.getpid()))
+    assert not crashed.root.exists()
     assert [p.read_text() for p in registered.iterdir()] == [alive.cdi_spec.read_text()]
 
 

@@ -31,7 +31,7 @@ from gpu_sandbox.flags import GpuFlags, spec_dict
 from gpuhost import simulated
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import LEASE_FILE
+from gpuhost.leases import LEASE_FILE, Holder
 from gpuhost.spec import SandboxSpec
 
 ROOT = Path(__file__).parent.parent
@@ -52,7 +52,8 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[simulated.Simulate
     """Four GPUs, the first in MIG mode with two instances; registered with the engines."""
     registry = CDI_DIR if os.access(CDI_DIR.parent, os.W_OK) else None
     root = tmp_path_factory.mktemp("cli") / "sim"
-    host = simulated.setup(root, 4, registry, simulated.parse_mig_layout("0:2x1g.10gb"))
+    mig = simulated.parse_mig_layout("0:2x1g.10gb")
+    host = simulated.setup(root, 4, registry, mig, owner=Holder.process(os.getpid()))
     yield host
     simulated.teardown(host.root)
 

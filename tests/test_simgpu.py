@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from gpuhost.devices import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
+from gpuhost.leases import Holder
 from gpuhost.simulated import (
     DGX_BUSES,
     MEMORY_MIB,
@@ -33,6 +34,7 @@ from gpuhost.simulated import (
     parse_dri_layout,
     parse_mig_layout,
     setup,
+    sweep,
     teardown,
 )
 from gpuhost.simulated.__main__ import main
@@ -276,6 +278,25 @@ def test_setup_replaces_a_simulated_host(tmp_path: Path) -> None:
     assert not {gpu.uuid for gpu in old.gpus} & {gpu.uuid for gpu in new.gpus}
     assert not (new.lease_dir / "leases.json").exists()
     assert not (new.root / "dev" / "nvidia2").exists()
+
+
+def test_sweep_removes_the_hosts_of_runs_that_are_gone(tmp_path: Path) -> None:
+    """A run killed before its teardown leaves its host and CDI registration; the next sweeps."""
+    registry = tmp_path / "cdi"
+    ended = subprocess.Popen(["sleep", "30"])
+    owner = Holder.process(ended.pid)
+    gone = setup(tmp_path / "runs" / "gone", 1, registry, owner=owner)
+    mine = setup(tmp_path / "runs" / "mine", 1, registry, owner=Holder.process(os.getpid()))
+    unowned = setup(tmp_path / "runs" / "unowned", 1, registry)
+    ended.kill()
+    ended.wait()
+    assert len(list(registry.iterdir())) == 3
+    assert sweep(tmp_path / "runs") == [gone.root]
+    assert not gone.root.exists()
+    assert load(mine.root) == mine
+    assert load(unowned.root) == unowned
+    assert len(list(registry.iterdir())) == 2, "the gone host's CDI spec is still registered"
+    assert sweep(tmp_path / "runs") == []
 
 
 @pytest.mark.parametrize("count", [0, -1])

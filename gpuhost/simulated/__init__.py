@@ -63,6 +63,7 @@ from gpuhost.devices import (
     normalize_pci_bus_id,
     sorted_by_pci,
 )
+from gpuhost.leases import Holder, liveness_check
 
 DEFAULT_ROOT = Path("/run/gpu-sandbox-sim")
 DEFAULT_COUNT = 8
@@ -89,6 +90,8 @@ DRI_VENDORS = {
 # numbered: not in PCI order, and the render nodes crossed against the cards.
 DRI_BUSES = {"intel": ("0000:00:02.0", "0000:00:03.0"), "amd": ("0000:c1:00.0", "0000:c3:00.0")}
 _MARKER = "simulated-gpu-host"
+_OWNER = "owner"
+"""The lease holder (kind and ref) whose end ends the host, for ``sweep``."""
 CDI_VENDOR_SUFFIX = ".nvidia.com"
 REGISTERED_PREFIX = "gpu-sandbox-sim-"
 
@@ -148,11 +151,13 @@ def setup(
     cdi_dir: Path | None = None,
     mig: MigLayout | None = None,
     dri: DriLayout | None = None,
+    owner: Holder | None = None,
 ) -> SimulatedHost:
     """Create a simulated host of ``count`` GPUs under ``root``, replacing one already there.
 
     ``mig`` puts GPUs in MIG mode with those instances; ``dri`` adds GPUs of other vendors.
     With ``cdi_dir``, its CDI spec is also written there for the container engines to read.
+    With ``owner`` (a run's process), ``sweep`` removes the host once the owner is gone.
     """
     mig, dri = dict(mig or {}), dict(dri or {})
     if count < 1:
@@ -165,6 +170,8 @@ def setup(
     dev.mkdir(parents=True)
     bindir.mkdir(parents=True)
     (root / _MARKER).write_text("created by gpuhost.simulated; remove with `teardown`\n")
+    if owner is not None:
+        (root / _OWNER).write_text(f"{owner.kind} {owner.ref}\n")
 
     rows = []
     for position in range(count):
@@ -421,18 +428,48 @@ def teardown(root: Path = DEFAULT_ROOT) -> None:
     shutil.rmtree(root)
 
 
+def sweep(base: Path) -> list[Path]:
+    """Remove the simulated hosts under ``base`` whose owner is gone; return their roots.
+
+    Runs killed before their teardown leave theirs behind. Hosts with no owner, or an owner
+    of a kind with no liveness check, stay.
+    """
+    gone = [root for root in sorted(base.glob("*/")) if _owner_gone(root)]
+    for root in gone:
+        teardown(root)
+    return gone
+
+
+def _root_of(node: Path) -> Path | None:
+    return next((parent for parent in node.parents if (parent / _MARKER).is_file()), None)
+
+
+def _owner_gone(root: Path) -> bool:
+    try:
+        kind, ref = (root / _OWNER).read_text().split()
+    except (OSError, ValueError):
+        return False  # no owner: not ours to judge
+    check = liveness_check(kind)
+    return check is not None and not check(Holder(kind, ref)) and (root / _MARKER).is_file()
+
+
 def _prune_registrations(cdi_dir: Path) -> None:
-    """Unregister the specs of simulated hosts that are gone (a run killed before teardown)."""
+    """Unregister the specs of simulated hosts that are gone, or whose owner is gone.
+
+    Both are left by runs killed before their teardown; a host whose owner is gone goes too.
+    """
     import yaml
 
     for spec in cdi_dir.glob(f"{REGISTERED_PREFIX}*.yaml"):
         try:
             nodes = yaml.safe_load(spec.read_text())["containerEdits"]["deviceNodes"]
-            gone = not Path(nodes[0]["hostPath"]).exists()
+            node = Path(nodes[0]["hostPath"])
         except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
             continue  # not ours to judge
-        if gone:
+        if not node.exists():
             spec.unlink(missing_ok=True)
+        elif (root := _root_of(node)) is not None and _owner_gone(root):
+            teardown(root)
 
 
 def cdi_spec(host: SimulatedHost) -> dict[str, object]:
