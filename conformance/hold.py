@@ -58,8 +58,15 @@ class HeldSandbox:
         self._ready = False
 
     @classmethod
-    def start(cls, driver: Driver, host: HostConfig, spec: SandboxSpec) -> HeldSandbox:
-        """Start a holder process; it creates its sandbox once told to ``go``."""
+    def start(
+        cls, driver: Driver, host: HostConfig, spec: SandboxSpec, die_at_hand_over: bool = False
+    ) -> HeldSandbox:
+        """Start a holder process; it creates its sandbox once told to ``go``.
+
+        With ``die_at_hand_over`` it SIGKILLs itself once it has handed its leases to the
+        sandbox in the making: a creator that dies between creating a sandbox and starting
+        it, where the driver hands over first (a container driver does).
+        """
         argv = [
             sys.executable, "-m", "conformance.hold",
             f"--driver={_name(driver)}", f"--session={driver.session_id}",
@@ -67,6 +74,8 @@ class HeldSandbox:
         ]  # fmt: skip
         if driver.image:
             argv.append(f"--image={driver.image}")
+        if die_at_hand_over:
+            argv.append("--die-at-hand-over")
         process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
         )
@@ -204,9 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-share-limit", type=int, default=DEFAULT_SHARE_LIMIT)
     parser.add_argument("--image")
     parser.add_argument("--reap", action="store_true", help="reap the session, then exit")
+    parser.add_argument(
+        "--die-at-hand-over", action="store_true", help="SIGKILL itself once leases are handed over"
+    )
     args = parser.parse_args(argv)
 
     host = GpuHost.open(HostConfig(args.sim_root, args.gpu_state_dir, args.gpu_share_limit))
+    if args.die_at_hand_over:
+        hand_over = host.leases.set_holder
+
+        def hand_over_and_die(sandbox_id: str, holder: Holder) -> None:
+            hand_over(sandbox_id, holder)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        host.leases.set_holder = hand_over_and_die  # type: ignore[method-assign]
     driver = get_driver_class(args.driver)(host, args.session, args.image)
     if args.reap:
         _reply({"removed": driver.reap(args.session)})

@@ -21,6 +21,7 @@ from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_until
 
 DRI_HINT = "a simulated host gets some with --sim-dri=intel:1,amd:2"
 
@@ -30,6 +31,13 @@ def _dri_gpus(driver: Driver) -> tuple[GpuDevice, ...]:
     if not found:
         pytest.skip(f"needs AMD or Intel GPUs (the host has none; {DRI_HINT})")
     return found
+
+
+def _the_most_of_one_vendor(driver: Driver) -> list[GpuDevice]:
+    """The DRI GPUs of the vendor the host has most of."""
+    gpus = _dri_gpus(driver)
+    vendor = max({gpu.vendor for gpu in gpus}, key=lambda v: sum(g.vendor == v for g in gpus))
+    return [gpu for gpu in gpus if gpu.vendor == vendor]
 
 
 def _vendor(driver: Driver, vendor: str, count: int = 1) -> SandboxSpec:
@@ -118,9 +126,8 @@ def test_a_held_dri_gpu_is_never_granted_again(
     driver: Driver, sandboxes: SandboxFactory, settings: Settings
 ) -> None:
     """A DRI GPU held by any process MUST never be granted again, and MUST come back."""
-    gpus = _dri_gpus(driver)
-    vendor = max({gpu.vendor for gpu in gpus}, key=lambda v: sum(g.vendor == v for g in gpus))
-    of_vendor = [gpu for gpu in gpus if gpu.vendor == vendor]
+    of_vendor = _the_most_of_one_vendor(driver)
+    vendor = of_vendor[0].vendor
     held = of_vendor[-1]
     with HeldSandbox.start(driver, settings.host_config, _exact(driver, held.pci_bus_id)) as other:
         reply = other.go()
@@ -156,4 +163,27 @@ def test_a_held_dri_gpu_is_never_granted_again(
     again = sandboxes(_vendor(driver, vendor, len(of_vendor)))
     assert sorted(uuids(again)) == sorted(gpu.uuid for gpu in of_vendor), (
         f"every {vendor} GPU should be free again; a count of {len(of_vendor)} got {uuids(again)}"
+    )
+
+
+@pytest.mark.requirement("DRI-EXCLUSIVE-01")
+def test_a_killed_sandboxs_dri_gpus_come_back(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """The DRI GPUs of a sandbox whose processes were SIGKILLed MUST go to the next request."""
+    of_vendor = _the_most_of_one_vendor(driver)
+    count = min(len(of_vendor), driver.capabilities.max_gpus_per_sandbox)
+    spec = _vendor(driver, of_vendor[0].vendor, count)
+    victim = sandboxes(spec)
+    if count < len(of_vendor):
+        sandboxes(_vendor(driver, of_vendor[0].vendor, len(of_vendor) - count))
+    victim.kill()
+    successor = wait_until(
+        lambda: sandboxes(spec),
+        timeout_s=settings.reclaim_timeout_s,
+        what=f"the {of_vendor[0].vendor} GPUs of killed sandbox {victim.id} to come back",
+        retry_on=(GpusExhausted,),
+    )
+    assert sorted(uuids(successor)) == sorted(uuids(victim)), (
+        f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
     )

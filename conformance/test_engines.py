@@ -6,15 +6,24 @@ These tests speak to the engine beside the driver, through its CLI, as a user wo
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.observe import parse_list, uuids, visible_gpu_uuids
+from conformance.hold import REPLY_TIMEOUT_S, HeldSandbox, reap_from_a_fresh_process
+from conformance.observe import (
+    assert_all_gpus_grantable,
+    parse_list,
+    specs_for_gpus,
+    uuids,
+    visible_gpu_uuids,
+)
 from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver
-from drivers.container import ContainerDriver, ContainerSandbox
+from drivers.container import SESSION_LABEL, ContainerDriver, ContainerSandbox
 from gpuhost import cdi
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
@@ -110,3 +119,39 @@ def test_container_removed_out_of_band_frees_its_gpus(
         retry_on=(GpusExhausted,),
     )
     assert sorted(uuids(successor)) == sorted(host_gpus)
+
+
+@pytest.mark.requirement("SANDBOX-REAP-01")
+def test_reap_removes_a_container_whose_creator_died_before_starting_it(
+    driver: Driver, settings: Settings
+) -> None:
+    """Reap from a fresh process MUST remove a container created but never started."""
+    engine = _container_driver(driver)
+    session = f"reap-unstarted-{time.time_ns()}"
+    theirs = type(engine)(engine.host, session, engine.image)
+    listing = engine.cli_argv(
+        "ps", "--all", "--filter", f"label={SESSION_LABEL}={session}", "--format", "{{.ID}}"
+    )
+    with HeldSandbox.start(
+        theirs, settings.host_config, specs_for_gpus(engine, 1)[0], die_at_hand_over=True
+    ) as creator:
+        creator.send_go()
+        died = creator.process.wait(REPLY_TIMEOUT_S)
+    made = _cli(listing).stdout.split()
+    if died != -signal.SIGKILL or not made:
+        pytest.fail(
+            f"the creator should have died between creating its container and starting it "
+            f"(exit {died}, containers of the session: {made})"
+        )
+    try:
+        reap_from_a_fresh_process(engine, settings.host_config, session)
+        left = _cli(listing)
+        assert left.returncode == 0, f"`{engine.cli} ps` failed: {left.stderr.strip()}"
+        assert left.stdout.split() == [], (
+            f"reaped from a fresh process, session {session} still has containers "
+            f"{left.stdout.split()}, created and never started (`{' '.join(listing)}`)"
+        )
+    finally:
+        for container_id in _cli(listing).stdout.split():
+            _cli(engine.cli_argv("rm", "--force", container_id))
+    assert_all_gpus_grantable(engine, after=f"reaping session {session}")

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import os
 import shlex
+import subprocess
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -126,6 +127,24 @@ class EngineSocketMounted(BrokenContainerDriver):
         return super().create_container(changed)  # type: ignore[safe-super]
 
 
+class ReapSeesRunningOnly(BrokenContainerDriver):
+    """Reap and ``sandboxes`` list running containers only (``ps`` without ``--all``).
+
+    A container whose creator died between creating and starting it is never removed.
+    """
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def session_containers(self, session_id: str) -> dict[str, str]:
+        found = super().session_containers(session_id)  # type: ignore[safe-super]
+        return {sandbox: ref for sandbox, ref in found.items() if self._running(ref)}
+
+    def _running(self, container_id: str) -> bool:
+        argv = self.cli_argv("inspect", "--format", "{{.State.Running}}", container_id)
+        inspected = subprocess.run(argv, capture_output=True, text=True, check=False)
+        return inspected.stdout.strip() == "true"
+
+
 class DockerRoundRobinDefault(RoundRobinDefault, DockerDriver):
     pass
 
@@ -190,6 +209,14 @@ class PodmanEngineSocketMounted(EngineSocketMounted, PodmanDriver):
     pass
 
 
+class DockerReapSeesRunningOnly(ReapSeesRunningOnly, DockerDriver):
+    pass
+
+
+class PodmanReapSeesRunningOnly(ReapSeesRunningOnly, PodmanDriver):
+    pass
+
+
 ALL: tuple[type[BrokenContainerDriver], ...] = (
     DockerRoundRobinDefault,
     DockerAllOnDefault,
@@ -207,4 +234,6 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     PodmanCloseReturnsEarly,
     PodmanKeepaliveDirMounted,
     PodmanEngineSocketMounted,
+    DockerReapSeesRunningOnly,
+    PodmanReapSeesRunningOnly,
 )

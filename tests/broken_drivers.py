@@ -1491,6 +1491,21 @@ class MixedVendorPartialLeak(BrokenDriver):
         return tuple(sorted(granted, key=lambda gpu: order[gpu.uuid]))
 
 
+class DriHeldByCreator(BrokenDriver):
+    """AMD/Intel leases stay with the creating process ("it opens the DRI nodes").
+
+    Not the sandbox: a killed sandbox's DRI GPUs come back only when its creator exits.
+    """
+
+    BREAKS = "DRI-EXCLUSIVE-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        if launch.gpus and all(gpu.vendor != "nvidia" for gpu in launch.gpus):
+            launch.hand_over(Holder.process(os.getpid()))
+        return sandbox
+
+
 class SharesHostNetwork(BrokenDriver):
     """Keeps the host's network namespace (--share-net), so workloads can download models."""
 
