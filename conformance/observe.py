@@ -44,6 +44,30 @@ def visible_mig_uuids(sandbox: Sandbox) -> list[str]:
     return [mig.uuid for gpu in listed for mig in gpu.mig_devices]
 
 
+def cuda_visible_uuids(sandbox: Sandbox, listed: Sequence[str]) -> list[str]:
+    """Of ``listed`` (what nvidia-smi lists, in its order), the GPUs CUDA would use inside.
+
+    ``CUDA_VISIBLE_DEVICES`` (set by the driver, or by the spec's env) selects among them as
+    CUDA reads it: indices into the sandbox's own GPUs (0..n-1, never the host's), or UUID
+    prefixes; the first entry that names none ends the list. Unset, CUDA uses them all.
+    """
+    __tracebackhide__ = True
+    script = 'if [ "${CUDA_VISIBLE_DEVICES+set}" ]; then echo "=$CUDA_VISIBLE_DEVICES"; fi'
+    said = sandbox.exec(["sh", "-c", script]).check().stdout.strip()
+    if not said:
+        return list(listed)
+    chosen: list[str] = []
+    for entry in (part.strip() for part in said[1:].split(",")):
+        if entry.isdigit() and int(entry) < len(listed):
+            found = [listed[int(entry)]]
+        else:
+            found = [uuid for uuid in listed if entry and uuid.startswith(entry)]
+        if len(found) != 1 or found[0] in chosen:
+            break
+        chosen.append(found[0])
+    return chosen
+
+
 def _nvidia_smi(sandbox: Sandbox, *args: str) -> str:
     """``nvidia-smi``'s output inside the sandbox; "" where it finds no GPU or no driver."""
     __tracebackhide__ = True

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import pytest
 
@@ -458,12 +458,12 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     driver: Driver = request.getfixturevalue("driver")
     if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
-        _not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
+        not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
     if request.node.get_closest_marker("shares_gpus") and not driver.capabilities.shared:
-        _not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
+        not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
     pools = driver.capabilities.mig_profiles or set(driver.capabilities.vendors) - {"nvidia"}
     if request.node.get_closest_marker("chooses_pools") and not pools:
-        _not_applicable(
+        not_applicable(
             request.node, f"the {driver.name} driver serves no MIG profile and no other vendor"
         )
     marker = request.node.get_closest_marker("gpus")
@@ -474,7 +474,8 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
     driver.reap(driver.session_id)
 
 
-def _not_applicable(item: pytest.Item, why: str) -> None:
+def not_applicable(item: pytest.Item, why: str) -> NoReturn:
+    """Skip ``item`` as not applicable: its requirement's cell leaves it out."""
     item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "level"]
     item.user_properties.append(("level", "not applicable"))
     pytest.skip(f"not applicable: {why}")

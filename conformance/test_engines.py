@@ -21,7 +21,7 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings
+from conformance.plugin import SandboxFactory, Settings, not_applicable
 from drivers.base import Driver
 from drivers.container import SESSION_LABEL, ContainerDriver, ContainerSandbox
 from gpuhost import cdi
@@ -33,10 +33,12 @@ from gpuhost.wait import wait_until
 CLI_TIMEOUT_S = 120
 
 
-def _container_driver(driver: Driver) -> ContainerDriver:
-    if not isinstance(driver, ContainerDriver):
-        pytest.skip(f"not applicable: {driver.name} is not a container driver")
-    return driver
+@pytest.fixture
+def engine(driver: Driver, request: pytest.FixtureRequest) -> ContainerDriver:
+    """The driver under test, where it is a container driver; elsewhere not applicable."""
+    if isinstance(driver, ContainerDriver):
+        return driver
+    not_applicable(request.node, f"{driver.name} is not a container driver")
 
 
 def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -50,9 +52,10 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.requirement("GPU-ORACLE-01")
-def test_sandbox_sees_what_the_engine_injects(driver: Driver, sandboxes: SandboxFactory) -> None:
+def test_sandbox_sees_what_the_engine_injects(
+    engine: ContainerDriver, sandboxes: SandboxFactory
+) -> None:
     """For every GPU, nvidia-smi -L in a sandbox holding it MUST match the engine's own run."""
-    engine = _container_driver(driver)
     devices = {gpu.uuid: engine.device_ids(gpu)[0] for gpu in engine.inventory()}
 
     def inside(gpu: GpuDevice) -> str:
@@ -80,33 +83,34 @@ def test_sandbox_sees_what_the_engine_injects(driver: Driver, sandboxes: Sandbox
 @pytest.mark.requirement("GPU-ALL-01")
 @pytest.mark.gpus(2)
 def test_all_devices_only_when_asked_and_then_every_gpu(
-    driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+    engine: ContainerDriver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
 ) -> None:
     """`nvidia.com/gpu=all`, asked for explicitly, MUST hold every GPU, exclusively."""
-    engine = _container_driver(driver)
     default = sandboxes(SandboxSpec.with_gpus())
     assert len(uuids(default)) == 1, f"a default request got {uuids(default)}"
     default.close()
     name = cdi.all_devices(engine.cdi_kind)
     everything = sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[name]))
-    every_gpu = sorted(gpu.uuid for gpu in driver.host.gpus)  # those in MIG mode too
+    every_gpu = sorted(gpu.uuid for gpu in engine.host.gpus)  # those in MIG mode too
     assert sorted(uuids(everything)) == every_gpu, (
         f"{name} should hold all {len(every_gpu)} GPUs; the driver reports {uuids(everything)}"
     )
     assert sorted(visible_gpu_uuids(everything)) == every_gpu
     with pytest.raises(GpusExhausted):
         sandboxes(SandboxSpec.with_gpus())
-    for profile in sorted({mig.profile for mig in driver.host.mig_devices if mig.profile}):
+    for profile in sorted({mig.profile for mig in engine.host.mig_devices if mig.profile}):
         with pytest.raises(GpusExhausted):  # every instance's GPU is held whole
             sandboxes(SandboxSpec.with_gpus(driver=engine.name, block={"mig_profile": profile}))
 
 
 @pytest.mark.requirement("GPU-RECLAIM-03")
 def test_container_removed_out_of_band_frees_its_gpus(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings, host_gpus: tuple[str, ...]
+    engine: ContainerDriver,
+    sandboxes: SandboxFactory,
+    settings: Settings,
+    host_gpus: tuple[str, ...],
 ) -> None:
     """The GPUs of a container removed by the engine's CLI MUST go to the next request."""
-    engine = _container_driver(driver)
     spec = SandboxSpec.with_gpus(len(host_gpus))
     victim = sandboxes(spec)
     assert isinstance(victim, ContainerSandbox)
@@ -123,10 +127,9 @@ def test_container_removed_out_of_band_frees_its_gpus(
 
 @pytest.mark.requirement("SANDBOX-REAP-01")
 def test_reap_removes_a_container_whose_creator_died_before_starting_it(
-    driver: Driver, settings: Settings
+    engine: ContainerDriver, settings: Settings
 ) -> None:
     """Reap from a fresh process MUST remove a container created but never started."""
-    engine = _container_driver(driver)
     session = f"reap-unstarted-{time.time_ns()}"
     theirs = type(engine)(engine.host, session, engine.image)
     listing = engine.cli_argv(

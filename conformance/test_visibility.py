@@ -8,6 +8,7 @@ import pytest
 
 from conformance.observe import (
     create_side_by_side,
+    cuda_visible_uuids,
     device_nodes,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
@@ -49,7 +50,10 @@ def test_default_request_sees_exactly_one_gpu(
         sandbox = sandboxes(SandboxSpec.with_gpus())
         assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
         assert uuids(sandbox)[0] in host_gpus
-        assert visible_gpu_uuids(sandbox) == uuids(sandbox)
+        seen = visible_gpu_uuids(sandbox)
+        assert seen == uuids(sandbox)
+        cuda = cuda_visible_uuids(sandbox, seen)
+        assert cuda == seen, f"nvidia-smi lists {seen}; CUDA_VISIBLE_DEVICES inside leaves {cuda}"
 
 
 def _counts(driver: Driver) -> list[int]:
@@ -78,7 +82,10 @@ def test_count_request_sees_exactly_n_distinct_gpus(
         pair = sandboxes(SandboxSpec.with_gpus(2))
         assert len(set(uuids(pair))) == 2
         assert not set(uuids(pair)) & set(held), f"{held} is held; a count of 2 got {uuids(pair)}"
-        assert sorted(visible_gpu_uuids(pair)) == sorted(uuids(pair))
+        seen = visible_gpu_uuids(pair)
+        assert sorted(seen) == sorted(uuids(pair))
+        cuda = cuda_visible_uuids(pair, seen)
+        assert cuda == seen, f"nvidia-smi lists {seen}; CUDA_VISIBLE_DEVICES inside leaves {cuda}"
         if driver.capabilities.shared:
             # Shared, a count is as many distinct GPUs: never one GPU co-held twice.
             pair.close()

@@ -1506,6 +1506,20 @@ class DriHeldByCreator(BrokenDriver):
         return sandbox
 
 
+class CudaVisibleHostIndex(BrokenDriver):
+    """Sets CUDA_VISIBLE_DEVICES to its GPUs' host indices; inside they are 0..n-1."""
+
+    BREAKS = "GPU-DEFAULT-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        nvidia = [gpu for gpu in launch.gpus if gpu.vendor == "nvidia"]
+        if nvidia:
+            indices = ",".join(str(gpu.index) for gpu in nvidia)
+            sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": indices}
+        return sandbox
+
+
 class SharesHostNetwork(BrokenDriver):
     """Keeps the host's network namespace (--share-net), so workloads can download models."""
 
