@@ -32,16 +32,33 @@ LONG = 1 << 20
 
 
 @pytest.mark.requirement("GPU-RELEASE-01")
-def test_close_releases_and_is_idempotent(driver: Driver, sandboxes: SandboxFactory) -> None:
+def test_close_releases_and_is_idempotent(
+    driver: Driver, sandboxes: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Closing a sandbox MUST release its GPUs; closing it again MUST change nothing."""
+    # Released once it is gone, not while it still runs and could use them: where the driver
+    # leases through the host registry, each release is checked as it happens.
+    released_while_running: list[str] = []
+    release = driver.host.leases.release
+
+    def release_once_gone(sandbox_id: str) -> int:
+        if sandbox_id in driver.sandboxes(driver.session_id):
+            released_while_running.append(sandbox_id)
+        return release(sandbox_id)
+
+    monkeypatch.setattr(driver.host.leases, "release", release_once_gone)
     for _ in range(2):
         taken = [sandboxes(spec) for spec in specs_for_all_gpus(driver)]
         for sandbox in taken:
             sandbox.close()
-            # Released once it is gone, not while it still runs and could use them.
             assert sandbox.id not in driver.sandboxes(driver.session_id), (
                 f"close of sandbox {sandbox.id} returned while it still exists"
             )
+            assert sandbox.id not in released_while_running, (
+                f"close of sandbox {sandbox.id} released its GPUs {uuids(sandbox)} while the "
+                "sandbox still ran"
+            )
+    monkeypatch.undo()
     first = sandboxes(SandboxSpec.with_gpus())
     first.close()
     second = sandboxes(SandboxSpec.with_gpus())

@@ -318,6 +318,25 @@ class _KeepsLeasesOnClose(ReferenceSandbox):
         self.stop()
 
 
+class _ReleaseFirstSandbox(ReferenceSandbox):
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # "Give the GPUs back first: a stop that hangs must not strand them."
+        if self._leases is not None:
+            self._leases.release(self.id)
+        self.stop()
+
+
+class ReleasesBeforeStop(BrokenDriver):
+    """close() releases the leases, then stops the sandbox: granted while it still runs."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    SANDBOX = _ReleaseFirstSandbox
+
+
 class LeakOnClose(BrokenDriver):
     """close() stops the sandbox but keeps its lease, held by the creating process."""
 
