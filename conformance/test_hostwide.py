@@ -10,6 +10,8 @@ one that takes other sessions' leases, or leases it cannot judge, for leftovers.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +31,14 @@ from drivers.reference import ReferenceDriver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.host import GpuHost
-from gpuhost.leases import PROCESS, Holder, LeaseOwner, boot_id, process_start_time
+from gpuhost.leases import (
+    LEASE_FILE,
+    PROCESS,
+    Holder,
+    LeaseOwner,
+    boot_id,
+    process_start_time,
+)
 from gpuhost.spec import SandboxSpec
 
 LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
@@ -202,3 +211,55 @@ def test_leases_of_holders_that_are_gone_hold_nothing(
     finally:
         for owner in owners.values():
             driver.host.leases.release(owner.sandbox_id)
+
+
+@pytest.mark.requirement("GPU-HOSTWIDE-01")
+def test_a_lease_file_of_an_older_client_holds_its_gpus(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A version-1 lease file (no boot_id) is the running boot's: its live leases MUST hold.
+
+    Written over the registry's file, so only on a simulated host, whose registry is the
+    run's own; a real host's registry is never written but through the protocol.
+    """
+    if driver.host.simulated is None:
+        pytest.skip("needs a simulated host: it writes the lease registry's file itself")
+    free, *held = driver.inventory()
+    sandbox_id = f"v1-{uuid4().hex}"
+    holder = {"kind": PROCESS, "ref": Holder.process(os.getpid()).ref}
+    leases = [
+        {
+            "gpu_uuid": gpu.uuid,
+            "driver": "an-older-client",
+            "sandbox_id": sandbox_id,
+            "session_id": "",
+            "holder": holder,
+            "mode": "exclusive",
+            "acquired_at": time.time(),
+        }
+        for gpu in held
+    ]
+    driver.host.leases.leases()  # makes the registry's file, with the protocol's mode
+    fd = os.open(driver.host.leases.directory / LEASE_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if (text := os.read(fd, 1 << 20).strip()) and json.loads(text).get("leases"):
+            pytest.skip("the registry holds leases already")
+        written = os.pwrite(fd, json.dumps({"version": 1, "leases": leases}).encode(), 0)
+        os.ftruncate(fd, written)
+    finally:
+        os.close(fd)
+    try:
+        for gpu in held if driver.capabilities.exact_ids else ():
+            exact = SandboxSpec.with_gpus(
+                driver=driver.name, device_ids=[driver.device_ids(gpu)[0]]
+            )
+            with pytest.raises(GpuBusy):
+                sandboxes(exact)
+        assert uuids(sandboxes(SandboxSpec.with_gpus())) == [free.uuid], (
+            "a version-1 lease file holds every GPU but one for a live process"
+        )
+        with pytest.raises(GpusExhausted):
+            sandboxes(SandboxSpec.with_gpus())
+    finally:
+        driver.host.leases.release(sandbox_id)

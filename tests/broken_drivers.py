@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import stat
 import subprocess
@@ -42,6 +43,8 @@ from gpuhost.leases import (
     Lease,
     LeaseOwner,
     LeaseRegistry,
+    boot_id,
+    lease_from_dict,
     process_running,
 )
 from gpuhost.procfs import each_process
@@ -287,6 +290,30 @@ class _ThreadLockedRegistry(_UnlockedRegistry):
     def _exclusive(self) -> Iterator[None]:
         with self._lock:
             yield
+
+
+class _NoBootIdMeansEarlierBoot(LeaseRegistry):
+    """Reads a file without ``boot_id`` (version 1) as one of an earlier boot."""
+
+    def _load(self) -> list[Lease]:
+        fd = self._fd()
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return []
+        document, _ = json.JSONDecoder().raw_decode(os.pread(fd, size, 0).decode())
+        if document.get("boot_id") != boot_id():
+            return []  # "every lease of an earlier boot is dead"
+        return [lease_from_dict(item) for item in document["leases"]]
+
+
+class V1FileAsEarlierBoot(BrokenDriver):
+    """Takes a version-1 lease file (no boot_id) for an earlier boot's: its leases are dead."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        registry = _NoBootIdMeansEarlierBoot(host.leases.directory)
+        super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
 
 
 class NoLocking(BrokenDriver):
