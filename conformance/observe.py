@@ -10,9 +10,10 @@ from pathlib import Path
 
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import NVIDIA_MAJOR
-from gpuhost.errors import GpuAllocationError, RequestError
+from gpuhost.errors import GpuAllocationError, GpusExhausted, RequestError
 from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_until
 
 NVIDIA_SMI_NO_DEVICES = 6
 """nvidia-smi's exit code when it finds no GPU (NVML_ERROR_NOT_FOUND)."""
@@ -351,6 +352,20 @@ def create_side_by_side(
     with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
         attempts = [pool.submit(create, spec) for spec in specs]
     return [attempt.result() for attempt in attempts]
+
+
+def kill_and_retake(
+    create: Callable[[SandboxSpec], Sandbox], victim: Sandbox, spec: SandboxSpec, timeout_s: float
+) -> Sandbox:
+    """SIGKILL ``victim``'s processes; the sandbox ``spec`` gets once its GPUs come back."""
+    __tracebackhide__ = True
+    victim.kill()
+    return wait_until(
+        lambda: create(spec),
+        timeout_s=timeout_s,
+        what=f"the GPUs of killed sandbox {victim.id} ({', '.join(uuids(victim))}) to come back",
+        retry_on=(GpusExhausted,),
+    )
 
 
 def assert_all_gpus_grantable(driver: Driver, after: str) -> None:

@@ -10,6 +10,7 @@ from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
     device_nodes,
     foreign_gpu_nodes,
+    kill_and_retake,
     probed_dri,
     refused_nodes,
     uuids,
@@ -21,7 +22,6 @@ from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.spec import SandboxSpec
-from gpuhost.wait import wait_until
 
 DRI_HINT = "a simulated host gets some with --sim-dri=intel:1,amd:2"
 
@@ -177,13 +177,7 @@ def test_a_killed_sandboxs_dri_gpus_come_back(
     victim = sandboxes(spec)
     if count < len(of_vendor):
         sandboxes(_vendor(driver, of_vendor[0].vendor, len(of_vendor) - count))
-    victim.kill()
-    successor = wait_until(
-        lambda: sandboxes(spec),
-        timeout_s=settings.reclaim_timeout_s,
-        what=f"the {of_vendor[0].vendor} GPUs of killed sandbox {victim.id} to come back",
-        retry_on=(GpusExhausted,),
-    )
+    successor = kill_and_retake(sandboxes, victim, spec, settings.reclaim_timeout_s)
     assert sorted(uuids(successor)) == sorted(uuids(victim)), (
         f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
     )

@@ -13,6 +13,7 @@ import pytest
 from conformance.hold import HeldSandbox, reap_from_a_fresh_process
 from conformance.observe import (
     assert_all_gpus_grantable,
+    kill_and_retake,
     specs_for_all_gpus,
     specs_for_gpus,
     uuids,
@@ -96,13 +97,7 @@ def test_killed_sandbox_gpus_are_reclaimed(
     spec = _biggest_request(driver)
     victim = sandboxes(spec)
     _take_the_other_gpus(driver, sandboxes)
-    victim.kill()
-    successor = wait_until(
-        lambda: sandboxes(spec),
-        timeout_s=settings.reclaim_timeout_s,
-        what=f"the GPUs of killed sandbox {victim.id} to come back",
-        retry_on=(GpusExhausted,),
-    )
+    successor = kill_and_retake(sandboxes, victim, spec, settings.reclaim_timeout_s)
     assert set(uuids(successor)) & set(uuids(victim)), (
         f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
     )
