@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -239,10 +240,12 @@ SPEC_ENV = {
     "SPEC_EQUALS": "k=v=w",
     "SPEC_QUOTES": 'it\'s "q" $HOME `id` \\ ; *',
     "SPEC_EMPTY": "",
-    # Variables a driver sets itself: the spec's values win.
+    # Variables a driver sets itself, or might drop or set "for safety": the spec's win.
     "PATH": "/spec/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
     "HOME": "/spec-home",
     "LANG": "C",
+    "LD_LIBRARY_PATH": "/spec/lib",
+    "CUDA_VISIBLE_DEVICES": "0",
 }
 """Values a shell or a command line would change, were they passed through one unquoted, and
 variables a driver sets itself (the spec's values win)."""
@@ -347,10 +350,21 @@ def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> Non
         chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
         # Deaf to every signal it may ignore, as are its children: only SIGKILL ends them.
         script = f"trap '' HUP INT QUIT TERM; setsid sleep {marker} & {chatty}"
-        start = time.monotonic()
-        with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
-            run(["sh", "-c", script], timeout=0.5)
-        assert time.monotonic() - start < 10, f"{way} let the command run past its timeout"
+        with ThreadPoolExecutor(1) as pool:
+            # Another command of the sandbox, running meanwhile, is not the timeout's to kill.
+            neighbour = pool.submit(run, ["sh", "-c", "sleep 3; echo survived"], timeout=60)
+            start = time.monotonic()
+            with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
+                run(["sh", "-c", script], timeout=0.5)
+            assert time.monotonic() - start < 10, f"{way} let the command run past its timeout"
+            # One that would end by itself, past its timeout but well within that bound: a
+            # timeout is not raised to a floor of the driver's.
+            with pytest.raises(ExecTimeout):
+                run(["sleep", "3"], timeout=0.5)
+            beside = neighbour.result()
+        assert (beside.returncode, beside.stdout.strip()) == (0, "survived"), (
+            f"a command running beside the one that timed out ({way}) was ended too: {beside}"
+        )
         # A zombie's cmdline is empty: only processes still running are listed.
         listing = (
             "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"

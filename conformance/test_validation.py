@@ -27,7 +27,13 @@ from gpuhost.errors import (
     UnknownGpuDevice,
     UnsupportedGpuRequest,
 )
-from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, parse_spec
+from gpuhost.spec import (
+    DEVICE_IDS_ALIASES,
+    DEVICE_IDS_KEY,
+    DRIVER_OPTION_KEYS,
+    VENDORS,
+    parse_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class BadRequest:
     error: type[DriverError] | tuple[type[DriverError], ...]
     value: Callable[[Driver], str]
     """What the error message must contain: the offending value."""
-    field: str
+    field: str | Callable[[Driver], str]
     """The field the error must name in ``.field``; ``{driver}`` stands for the driver."""
     needs_exact_ids: bool = False
     needs_two_per_sandbox: bool = False
@@ -84,6 +90,31 @@ def _only_for(name: str, key: str = DEVICE_IDS_KEY) -> BadRequest:
 
     return BadRequest(
         build, InvalidDriverConfig, lambda driver: _other(driver, name, key), field="driver_config"
+    )
+
+
+_OTHER_KEYS = sorted(
+    {key for keys in [*DEVICE_IDS_ALIASES.values(), *DRIVER_OPTION_KEYS.values()] for key in keys}
+)
+"""Keys of a driver's block that some drivers read besides the common ones."""
+
+
+def _key_of_another_driver(key: str) -> BadRequest:
+    """``key`` in the driver's own block, where the driver is not one that reads it.
+
+    A driver that reads it is given the key with a letter more, a key no driver reads.
+    """
+
+    def named(driver: Driver) -> str:
+        mine = {*DEVICE_IDS_ALIASES.get(driver.name, ()), *DRIVER_OPTION_KEYS.get(driver.name, ())}
+        return f"{key}x" if key in mine else key
+
+    def build(driver: Driver) -> dict[str, Any]:
+        block = {named(driver): [_id(driver)]}
+        return {"resource_requirements": _gpu(), "driver_config": {driver.name: block}}
+
+    return BadRequest(
+        build, InvalidDriverConfig, named, lambda d: f"driver_config.{d.name}.{named(d)}"
     )
 
 
@@ -160,10 +191,17 @@ CONFIG_ERRORS = {
         {"mig_profile": "1g.10gb"}, "mig_profile", "'1g.10gb'", ids=True
     ),
     "ids-and-vendor": _choice({"vendor": "nvidia"}, "vendor", "'nvidia'", ids=True),
-    "mig-profile-of-another-vendor": _choice(
-        {"mig_profile": "1g.10gb", "vendor": "amd"}, "vendor", "'amd'"
-    ),
+    # MIG is NVIDIA's: a profile beside any other vendor is refused.
+    **{
+        f"mig-profile-of-{vendor}": _choice(
+            {"mig_profile": "1g.10gb", "vendor": vendor}, "vendor", f"'{vendor}'"
+        )
+        for vendor in VENDORS
+        if vendor != "nvidia"
+    },
     **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
+    # A key only another driver reads, in this driver's own block: unknown here.
+    **{f"key-of-another-driver-{key}": _key_of_another_driver(key) for key in _OTHER_KEYS},
     # Under each other name a driver reads its device IDs by, too.
     **{
         f"block-for-{name}-only-as-{key}": _only_for(name, key)
@@ -252,6 +290,16 @@ def _past_the_last(driver: Driver) -> str:
     return "no-such-gpu-1"  # no index form (a PCI address): any unknown name will do
 
 
+def _unknown(device_id: str) -> BadRequest:
+    return BadRequest(
+        lambda d: _ids(d, [device_id]),
+        UnknownGpuDevice,
+        lambda d: device_id,
+        needs_exact_ids=True,
+        field="driver_config.{driver}.gpu_device_ids",
+    )
+
+
 ID_ERRORS = {
     "duplicate": BadRequest(
         lambda d: _ids(d, [_id(d), _id(d)], count=2),
@@ -284,6 +332,9 @@ ID_ERRORS = {
         needs_exact_ids=True,
         field="driver_config.{driver}.gpu_device_ids",
     ),
+    # Neither an index counted from the end, nor a prefix that several UUIDs share.
+    "negative-index": _unknown("-1"),
+    "uuid-prefix-of-every-gpu": _unknown("GPU-"),
     "unknown-id": BadRequest(
         lambda d: _ids(d, ["no-such-gpu-0"]),
         UnknownGpuDevice,
@@ -325,7 +376,8 @@ def _check_rejected(driver: Driver, sandboxes: SandboxFactory, case: BadRequest)
     __tracebackhide__ = True
     before = driver.sandboxes(driver.session_id)
     leases_before = driver.host.leases.leases()
-    expected, field = case.error, case.field.format(driver=driver.name)
+    expected = case.error
+    field = case.field(driver) if callable(case.field) else case.field.format(driver=driver.name)
     if case.needs_exact_ids and not driver.capabilities.exact_ids:
         expected = UnsupportedGpuRequest
     elif case.needs_two_per_sandbox and driver.capabilities.max_gpus_per_sandbox < 2:

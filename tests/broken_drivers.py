@@ -50,8 +50,12 @@ from gpuhost.leases import (
 from gpuhost.procfs import each_process
 from gpuhost.spec import (
     CHOICE_KEYS,
+    DEVICE_IDS_ALIASES,
     DEVICE_IDS_KEY,
+    DRIVER_OPTION_KEYS,
+    MIG_PROFILE_KEY,
     SHARED,
+    VENDOR_KEY,
     VENDORS,
     DriverCapabilities,
     GpuPlan,
@@ -1575,6 +1579,127 @@ class SharesHostNetwork(BrokenDriver):
         argv = super().bwrap_argv(sandbox_id, gpus)
         at = argv.index("--unshare-all") + 1
         return [*argv[:at], "--share-net", *argv[at:]]
+
+
+# -- the fourth round of outside broken drivers ---------------------------------------------
+
+
+class NegativeIndexWraps(BrokenDriver):
+    """Index IDs are looked up as ``host.gpus[int(id)]``, bounded above only: "-1" is the last."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        ids = [
+            str(self.host.gpus[int(i)].index) if i.lstrip("-").isdigit() and int(i) < 0 else i
+            for i in plan.device_ids
+        ]
+        return super().resolve(dataclasses.replace(plan, device_ids=tuple(ids)))
+
+
+class UuidPrefixIds(BrokenDriver):
+    """UUIDs may be abbreviated, as CUDA_VISIBLE_DEVICES allows; the first match is taken."""
+
+    BREAKS = "GPU-VALIDATE-03"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        known = self.device_index()
+        ids = [
+            i if i in known else next((g.uuid for g in self.host.gpus if g.uuid.startswith(i)), i)
+            for i in plan.device_ids
+        ]
+        return super().resolve(dataclasses.replace(plan, device_ids=tuple(ids)))
+
+
+class AcceptsEveryDriversKeys(BrokenDriver):
+    """One schema for every driver's block: keys other drivers read are taken (or ignored)."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name)
+        if block is not None:
+            aliases = {key for keys in DEVICE_IDS_ALIASES.values() for key in keys}
+            options = {key for keys in DRIVER_OPTION_KEYS.values() for key in keys}
+            kept = {
+                DEVICE_IDS_KEY if key in aliases else key: value
+                for key, value in block.items()
+                if key not in options
+            }
+            config = {**spec.driver_config, self.name: kept}
+            spec = dataclasses.replace(spec, driver_config=config)
+        return super().plan(spec)
+
+
+class MigProfileWithIntelVendor(BrokenDriver):
+    """Refuses a MIG profile beside `vendor: amd`; beside `vendor: intel` drops the vendor."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name) or {}
+        if MIG_PROFILE_KEY in block and block.get(VENDOR_KEY) == "intel":
+            kept = {key: value for key, value in block.items() if key != VENDOR_KEY}
+            config = {**spec.driver_config, self.name: kept}
+            spec = dataclasses.replace(spec, driver_config=config)
+        return super().plan(spec)
+
+
+class _TimeoutFloorSandbox(ReferenceSandbox):
+    def _run(
+        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
+    ) -> tuple[int, bytes, bytes]:
+        # "nsenter takes a second to start under load": never less than 5 s.
+        return super()._run(argv, stdout, stderr, max(timeout, 5.0))
+
+
+class ExecTimeoutFloor(BrokenDriver):
+    """Timeouts below 5 s are raised to 5 s: a command given 0.5 s that ends in 3 returns."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TimeoutFloorSandbox
+
+
+class _KillsEverythingOnTimeout(ReferenceSandbox):
+    def _run(
+        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
+    ) -> tuple[int, bytes, bytes]:
+        try:
+            return super()._run(argv, stdout, stderr, timeout)
+        except ExecTimeout:
+            # "Leave nothing of it behind": every process of the sandbox but its init.
+            kill_all = [reference.tool("nsenter"), f"--target={self._child_pid}", "--all"]
+            subprocess.run([*kill_all, "kill", "-9", "-1"], check=False, env=reference.HOST_ENV)
+            raise
+
+
+class TimeoutKillsTheWholeSandbox(BrokenDriver):
+    """A timed-out exec kills every process of the sandbox, other commands running too."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _KillsEverythingOnTimeout
+
+
+class DropsLoaderVariables(BrokenDriver):
+    """Drops the dynamic loader's variables (LD_*) from the spec's env, "for safety"."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return super().sandbox_env({k: v for k, v in extra.items() if not k.startswith("LD_")})
+
+
+class ForcesCudaVisibleDevices(BrokenDriver):
+    """Sets CUDA_VISIBLE_DEVICES to its NVIDIA GPUs' UUIDs, over the spec's own."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        nvidia = [gpu.uuid for gpu in launch.gpus if gpu.vendor == "nvidia"]
+        if nvidia:
+            sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
+        return sandbox
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
