@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from importlib import resources
 from uuid import uuid4
@@ -263,3 +264,32 @@ def test_a_lease_file_of_an_older_client_holds_its_gpus(
             sandboxes(SandboxSpec.with_gpus())
     finally:
         driver.host.leases.release(sandbox_id)
+
+
+LOCK_HELD_S = 1.0
+"""How long the test holds the registry's lock while a create waits for it."""
+
+
+@pytest.mark.requirement("GPU-HOSTWIDE-01")
+def test_a_create_waits_while_another_client_holds_the_registry_lock(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """Every grant MUST hold flock on the registry's file: none while another client holds it.
+
+    flock and POSIX record locks (lockf, fcntl F_SETLK) do not see each other on Linux: a
+    driver that locks the file another way races every other client of the protocol.
+    """
+    driver.host.leases.leases()  # makes the registry's file, with the protocol's mode
+    with (
+        (driver.host.leases.directory / LEASE_FILE).open("rb") as registry,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        fcntl.flock(registry, fcntl.LOCK_EX)
+        creating = pool.submit(sandboxes, SandboxSpec.with_gpus())
+        done, _ = wait([creating], timeout=LOCK_HELD_S)
+        fcntl.flock(registry, fcntl.LOCK_UN)
+        assert not done, (
+            f"a GPU was granted ({creating.result()!r}) while another client held the "
+            f"registry's flock on {registry.name}"
+        )
+        assert len(creating.result().gpus) == 1

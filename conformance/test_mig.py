@@ -12,6 +12,7 @@ from conformance.observe import (
     expect_refusal,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
+    refused_nodes,
     uuids,
     visible_gpu_uuids,
     visible_mig_uuids,
@@ -124,6 +125,14 @@ def test_profile_counts_get_free_instances_of_the_profile(
             _assert_sees_exactly(list(more.gpus), more, f"{count} x {profile}")
             taken |= set(got)
         if left := len(of_profile - taken):
+            if left + 1 <= driver.capabilities.max_gpus_per_sandbox:
+                # One more than are free, spread over GPUs: refused whole, taking nothing.
+                leases = driver.host.leases.leases()
+                with pytest.raises(GpusExhausted):
+                    sandboxes(_profile(driver, profile, left + 1))
+                assert driver.host.leases.leases() == leases, (
+                    f"{left + 1} {profile} instances asked for, {left} free: the refusal took some"
+                )
             sandboxes(_profile(driver, profile, left))
         with pytest.raises(GpusExhausted):
             sandboxes(_profile(driver, profile))
@@ -187,6 +196,10 @@ def test_only_its_own_instances_capabilities_are_inside(
         minors = sorted({mig.minor for mig in group if mig.minor is not None})
         nodes = sorted({node.minor for node in nvidia_gpu_nodes(seen)})
         assert nodes == minors, f"{[m.uuid for m in group]}'s GPU minors: {minors}, inside {nodes}"
+        # Its instances' capability nodes open: CUDA attaches to an instance through them.
+        own = {(node.major, node.minor) for mig in group for node in mig.nodes}
+        refused = refused_nodes(sandbox, [n.path for n in seen if (n.major, n.minor) in own])
+        assert not refused, f"a sandbox given {[m.uuid for m in group]} may not open {refused}"
         sandbox.close()
     if driver.capabilities.mig_profiles:  # asked by profile, not by name: the same nodes
         sandbox = sandboxes(_profile(driver, instances[-1].profile))

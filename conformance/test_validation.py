@@ -79,13 +79,16 @@ def _other(driver: Driver, name: str, key: str = DEVICE_IDS_KEY) -> str:
     return readers[0] if key != DEVICE_IDS_KEY and readers else "not-this-driver"
 
 
-def _only_for(name: str, key: str = DEVICE_IDS_KEY) -> BadRequest:
-    """Exact IDs, valid for the driver under test, but only in another driver's block."""
+def _only_for(name: str, key: str = DEVICE_IDS_KEY, beside_own: bool = False) -> BadRequest:
+    """Exact IDs, valid for the driver under test, but only in another driver's block.
+
+    With ``beside_own``, the driver's own block is there too, naming no device.
+    """
 
     def build(driver: Driver) -> dict[str, Any]:
         ids = driver.device_ids(driver.inventory()[0])[:1] if driver.inventory() else ()
         block = {key: list(ids) or ["0"]}
-        config = {_other(driver, name, key): block}
+        config = {_other(driver, name, key): block, **({driver.name: {}} if beside_own else {})}
         return {"resource_requirements": _gpu(), "driver_config": config}
 
     return BadRequest(
@@ -116,6 +119,17 @@ def _key_of_another_driver(key: str) -> BadRequest:
     return BadRequest(
         build, InvalidDriverConfig, named, lambda d: f"driver_config.{d.name}.{named(d)}"
     )
+
+
+def _alias(driver: Driver) -> str:
+    """The driver's other name for its device IDs (an unknown key for one with none)."""
+    return DEVICE_IDS_ALIASES.get(driver.name, ("cdi_devices",))[0]
+
+
+def _alias_field(driver: Driver) -> str:
+    """The field refused: the block giving both names, or the unknown key."""
+    own = driver.name in DEVICE_IDS_ALIASES
+    return f"driver_config.{driver.name}" + ("" if own else f".{_alias(driver)}")
 
 
 def _choice(block: dict[str, Any], key: str, value: str, ids: bool = False) -> BadRequest:
@@ -151,6 +165,18 @@ CONFIG_ERRORS = {
         InvalidDriverConfig,
         lambda d: "gpu_device_idz",
         field="driver_config.{driver}.gpu_device_idz",
+    ),
+    # Device IDs under both names of a driver that reads two: refused, neither one dropped.
+    "ids-under-both-names": BadRequest(
+        lambda d: {
+            "resource_requirements": _gpu(),
+            "driver_config": {d.name: {DEVICE_IDS_KEY: [_id(d)], _alias(d): [_id(d)]}},
+        },
+        InvalidDriverConfig,
+        _alias,
+        lambda d: (
+            f"driver_config.{d.name}" + ("" if d.name in DEVICE_IDS_ALIASES else f".{_alias(d)}")
+        ),
     ),
     "ids-not-a-list": BadRequest(
         lambda d: _ids(d, _id(d)),  # type: ignore[arg-type]
@@ -200,6 +226,11 @@ CONFIG_ERRORS = {
         if vendor != "nvidia"
     },
     **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
+    # The driver's own block there too, empty: the other block is still read, and refused.
+    **{
+        f"block-for-{name}-beside-an-empty-own": _only_for(name, beside_own=True)
+        for name in OTHER_DRIVERS
+    },
     # A key only another driver reads, in this driver's own block: unknown here.
     **{f"key-of-another-driver-{key}": _key_of_another_driver(key) for key in _OTHER_KEYS},
     # Under each other name a driver reads its device IDs by, too.

@@ -26,7 +26,7 @@ from drivers.podman import PodmanDriver
 from gpuhost import cdi
 from gpuhost.devices import GpuDevice
 from gpuhost.leases import Holder
-from gpuhost.spec import GpuPlan
+from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, GpuPlan, SandboxSpec
 
 
 class BrokenContainerDriver(ContainerDriver):
@@ -145,6 +145,20 @@ class ReapSeesRunningOnly(BrokenContainerDriver):
         return inspected.stdout.strip() == "true"
 
 
+class AliasesFirstWins(BrokenContainerDriver):
+    """Reads ``gpu_device_ids`` first: given with ``cdi_devices`` too, that one is dropped."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        block = spec.driver_config.get(self.name) or {}
+        if DEVICE_IDS_KEY in block:
+            kept = {k: v for k, v in block.items() if k not in DEVICE_IDS_ALIASES[self.name]}
+            config = {**spec.driver_config, self.name: kept}
+            spec = dataclasses.replace(spec, driver_config=config)
+        return super().plan(spec)
+
+
 class DockerRoundRobinDefault(RoundRobinDefault, DockerDriver):
     pass
 
@@ -213,6 +227,14 @@ class DockerReapSeesRunningOnly(ReapSeesRunningOnly, DockerDriver):
     pass
 
 
+class DockerAliasesFirstWins(AliasesFirstWins, DockerDriver):
+    pass
+
+
+class PodmanAliasesFirstWins(AliasesFirstWins, PodmanDriver):
+    pass
+
+
 class PodmanReapSeesRunningOnly(ReapSeesRunningOnly, PodmanDriver):
     pass
 
@@ -236,4 +258,6 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     PodmanEngineSocketMounted,
     DockerReapSeesRunningOnly,
     PodmanReapSeesRunningOnly,
+    DockerAliasesFirstWins,
+    PodmanAliasesFirstWins,
 )

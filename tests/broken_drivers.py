@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
 import os
@@ -1700,6 +1701,80 @@ class ForcesCudaVisibleDevices(BrokenDriver):
         if nvidia:
             sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
         return sandbox
+
+
+class OwnBlockHidesOthers(BrokenDriver):
+    """With a block of its own, every other driver's block goes unread.
+
+    Devices named only for another driver get a default GPU instead of InvalidDriverConfig.
+    """
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+        if self.name in spec.driver_config:
+            config = {self.name: spec.driver_config[self.name]}
+            spec = dataclasses.replace(spec, driver_config=config)
+        return super().plan(spec)
+
+
+class MigCountShortfallLeak(BrokenDriver):
+    """A MIG profile count takes instances GPU by GPU; a shortfall keeps what it took."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.mig_profile is None or plan.gpus:
+            return super().allocate(sandbox_id, plan)
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        pool = self.pool(plan)
+        taken: list[GpuDevice] = []
+        for parent in dict.fromkeys(mig.parent_uuid for mig in pool):
+            free = self.host.leases.free([mig for mig in pool if mig.parent_uuid == parent])
+            need = min(plan.count - len(taken), len(free))
+            if need > 0:
+                taken += self.host.leases.acquire(free, owner, count=need)
+        if len(taken) < plan.count:  # what was taken stays leased
+            raise GpusExhausted(plan.count, len(taken), len(pool), f"{plan.mig_profile} instances")
+        return tuple(taken)
+
+
+class MigCapsNodev(BrokenDriver):
+    """MIG capability nodes bound read-only ("caps are tokens"): nodev, none can be opened."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        return [
+            "--ro-bind" if arg == "--dev-bind" and argv[i + 2].startswith("/dev/nvidia-caps/")
+            else arg
+            for i, arg in enumerate(argv)
+        ]  # fmt: skip
+
+
+class _LockfRegistry(LeaseRegistry):
+    """Locks the lease file with POSIX record locks ("lockf is the portable one"), not flock."""
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with self._thread_lock:
+            fd = self._fd()
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
+class PosixRecordLocks(BrokenDriver):
+    """Locks the registry with lockf: every flock client of the protocol races it."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        registry = _LockfRegistry(host.leases.directory)
+        super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(
