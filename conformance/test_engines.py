@@ -26,7 +26,7 @@ from drivers.base import Driver
 from drivers.container import SESSION_LABEL, ContainerDriver, ContainerSandbox
 from gpuhost import cdi
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpusExhausted
+from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.spec import SandboxSpec
 from gpuhost.wait import wait_until
 
@@ -158,3 +158,23 @@ def test_reap_removes_a_container_whose_creator_died_before_starting_it(
         for container_id in _cli(listing).stdout.split():
             _cli(engine.cli_argv("rm", "--force", container_id))
     assert_all_gpus_grantable(engine, after=f"reaping session {session}")
+
+
+@pytest.mark.requirement("GPU-BUSY-01")
+def test_a_paused_container_keeps_its_gpus(
+    engine: ContainerDriver, sandboxes: SandboxFactory
+) -> None:
+    """A container paused through the engine's CLI MUST keep its GPUs: busy to exact requests.
+
+    It exists and holds them, its processes frozen with the GPU open: not running is not gone.
+    """
+    victim = sandboxes(SandboxSpec.with_gpus())
+    assert isinstance(victim, ContainerSandbox)
+    paused = _cli(engine.cli_argv("pause", victim.container_id))
+    assert paused.returncode == 0, f"`{engine.cli} pause` failed: {paused.stderr.strip()}"
+    try:
+        for device_id in engine.device_ids(victim.gpus[0]):
+            with pytest.raises(GpuBusy):
+                sandboxes(SandboxSpec.with_gpus(driver=engine.name, device_ids=[device_id]))
+    finally:
+        _cli(engine.cli_argv("unpause", victim.container_id))

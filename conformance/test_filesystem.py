@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import uuid
@@ -16,7 +17,7 @@ from conformance.observe import BOOT_ID
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
 from gpuhost.leases import LEASE_FILE
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import SHARED, SandboxSpec
 
 ENGINE_STATE = (
     "/var/lib/docker",
@@ -53,6 +54,24 @@ EVERY_DIRECTORY = (
 def _write_in_each(name: str) -> str:
     """A shell loop that writes ``name`` in each directory read from stdin, where it can."""
     return f'while read -r d; do echo x > "$d/{name}"; done 2>/dev/null'
+
+
+HOST_SECRETS = (
+    "/etc/shadow", "/etc/gshadow", "/etc/sudoers",
+    "/etc/ssh/ssh_host_ed25519_key", "/etc/ssh/ssh_host_ecdsa_key", "/etc/ssh/ssh_host_rsa_key",
+)  # fmt: skip
+"""Files of the host that hold its credentials: a sandbox's own /etc may have some of these
+names, never the host's contents."""
+
+
+def _host_secrets() -> dict[str, str]:
+    """Of ``HOST_SECRETS``, those this process can read on the host: their SHA-256 digests."""
+    found = {}
+    for path in HOST_SECRETS:
+        with contextlib.suppress(OSError):
+            if content := Path(path).read_bytes():
+                found[path] = hashlib.sha256(content).hexdigest()
+    return found
 
 
 ENGINE_SOCKETS = (
@@ -164,9 +183,15 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
     first.exec(["sh", "-c", write])
     with sandboxes(SandboxSpec.with_gpus()) as gpu_writer:
         gpu_writer.exec(["sh", "-c", write])
+    readers = [SandboxSpec(), SandboxSpec.with_gpus()]
+    if driver.capabilities.shared:
+        # Sharers of one GPU: whatever the driver gives them for sharing is theirs alone too.
+        sandboxes(SandboxSpec.with_gpus(sharing=SHARED)).exec(["sh", "-c", write])
+        readers.append(SandboxSpec.with_gpus(sharing=SHARED))
+    secrets = _host_secrets()
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
-        for second in (sandboxes(SandboxSpec()), sandboxes(SandboxSpec.with_gpus())):
+        for second in (sandboxes(spec) for spec in readers):
             # Everywhere but the kernel's file systems and /usr, which only holds programs; and
             # what the driver keeps of the first sandbox (a keepalive FIFO, a socket) by its id.
             search = (
@@ -187,3 +212,11 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
             assert not set(seen) & set(present), (
                 f"sandbox {second.id} sees the engines' state of the host: {seen}"
             )
+            digests = f"sha256sum {' '.join(secrets)} 2>/dev/null; true" if secrets else "true"
+            read = {
+                line.split()[-1]: line.split()[0]
+                for line in second.exec(["sh", "-c", digests]).stdout.splitlines()
+                if len(line.split()) == 2
+            }
+            readable = sorted(path for path, digest in secrets.items() if read.get(path) == digest)
+            assert readable == [], f"sandbox {second.id} reads the host's secrets {readable}"

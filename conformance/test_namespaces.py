@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from uuid import uuid4
 
 import pytest
 
@@ -34,15 +36,28 @@ def _namespaces(sandbox: Sandbox) -> dict[str, str] | None:
 
 
 @pytest.mark.requirement("SANDBOX-NS-01")
-def test_each_sandbox_has_namespaces_of_its_own(sandboxes: SandboxFactory) -> None:
+def test_each_sandbox_has_namespaces_of_its_own(
+    sandboxes: SandboxFactory, request: pytest.FixtureRequest
+) -> None:
     """A sandbox MUST have network and pid namespaces of its own, not the host's or another's."""
     host = {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in KINDS}
     seen: dict[str, str] = {}
+    # A process of the host's, known by its command line: no sandbox's /proc may list it (a
+    # sandbox given the host's /proc sees every process there, in a pid namespace of its own).
+    marker = f"gpu-sandbox-host-process-{uuid4().hex}"
+    host_process = subprocess.Popen(["sh", "-c", "sleep 600", marker])
+    request.addfinalizer(host_process.kill)
     for spec in (SandboxSpec.with_gpus(), SandboxSpec(), SandboxSpec()):
         sandbox = sandboxes(spec)
         namespaces = _namespaces(sandbox)
         if namespaces is None:
             continue  # its own kernel
+        cmdlines = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; true"
+        listed = marker in sandbox.exec(["sh", "-c", cmdlines]).stdout
+        assert not listed, (
+            f"sandbox {sandbox.id} lists the host's processes in its /proc (host pid "
+            f"{host_process.pid}: sh -c 'sleep 600' {marker})"
+        )
         for kind, namespace in namespaces.items():
             assert namespace != host[kind], (
                 f"sandbox {sandbox.id} shares the host's {kind} namespace ({namespace})"

@@ -25,7 +25,8 @@ from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
 from gpuhost import cdi
 from gpuhost.devices import GpuDevice
-from gpuhost.leases import Holder
+from gpuhost.host import GpuHost
+from gpuhost.leases import Holder, register_liveness
 from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, GpuPlan, SandboxSpec
 
 
@@ -159,6 +160,22 @@ class AliasesFirstWins(BrokenContainerDriver):
         return super().plan(spec)
 
 
+class LivenessRunningOnly(BrokenContainerDriver):
+    """Judges a container holder alive only while it runs: a paused one's GPUs are taken."""
+
+    BREAKS = "GPU-BUSY-01"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        super().__init__(host, session_id, image)
+        register_liveness(self.holder_kind, type(self).holder_alive)
+
+    @classmethod
+    def container_exists(cls, url: str, container_id: str) -> bool:
+        argv = [cls.cli, f"--{cls.cli_url_flag}={url}", "inspect", "--format", "{{.State.Status}}"]
+        status = subprocess.run([*argv, container_id], capture_output=True, text=True, check=False)
+        return status.stdout.strip() == "running"
+
+
 class DockerRoundRobinDefault(RoundRobinDefault, DockerDriver):
     pass
 
@@ -235,6 +252,14 @@ class PodmanAliasesFirstWins(AliasesFirstWins, PodmanDriver):
     pass
 
 
+class DockerLivenessRunningOnly(LivenessRunningOnly, DockerDriver):
+    pass
+
+
+class PodmanLivenessRunningOnly(LivenessRunningOnly, PodmanDriver):
+    pass
+
+
 class PodmanReapSeesRunningOnly(ReapSeesRunningOnly, PodmanDriver):
     pass
 
@@ -260,4 +285,6 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     PodmanReapSeesRunningOnly,
     DockerAliasesFirstWins,
     PodmanAliasesFirstWins,
+    DockerLivenessRunningOnly,
+    PodmanLivenessRunningOnly,
 )

@@ -1777,6 +1777,51 @@ class PosixRecordLocks(BrokenDriver):
         super().__init__(dataclasses.replace(host, leases=registry), session_id, image)
 
 
+class HostProcBound(BrokenDriver):
+    """Binds the host's /proc instead of a procfs of the sandbox's pid namespace.
+
+    ``--bind /proc /proc``: the usual workaround for "Can't mount proc" in nested containers.
+    """
+
+    BREAKS = "SANDBOX-NS-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        at = argv.index("--proc")
+        return [*argv[:at], "--bind", "/proc", "/proc", *argv[at + 2 :]]
+
+
+class EtcSecretsVisible(BrokenDriver):
+    """Binds the host's /etc read-only with no mask over its credentials: "read-only is safe"."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def root_argv(self) -> list[str]:
+        argv = super().root_argv()
+        secrets = {"/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers"}
+        kept: list[str] = []
+        for arg in argv:
+            if arg in secrets and kept[-2:] == ["--ro-bind", "/dev/null"]:
+                del kept[-2:]
+            else:
+                kept.append(arg)
+        return kept
+
+
+class SharedGpuMpsDir(BrokenDriver):
+    """Sandboxes sharing a GPU get one writable host directory, the GPU's, for CUDA MPS."""
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        if launch.plan is None or launch.plan.sharing != SHARED or not launch.gpus:
+            return super().start(launch)
+        mps = self.host.leases.directory.parent / "mps" / launch.gpus[0].uuid
+        mps.mkdir(parents=True, exist_ok=True)
+        argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
+        return self._start(launch, _with_binds(argv, "--bind", str(mps), "/tmp/nvidia-mps"))
+
+
 ALL: tuple[type[BrokenDriver], ...] = tuple(
     cls
     for cls in list(globals().values())
