@@ -183,40 +183,59 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
     first.exec(["sh", "-c", write])
     with sandboxes(SandboxSpec.with_gpus()) as gpu_writer:
         gpu_writer.exec(["sh", "-c", write])
-    readers = [SandboxSpec(), SandboxSpec.with_gpus()]
+    # Each reader, and the writer made just before it (a sharer of the reader's GPU).
+    readers: list[tuple[SandboxSpec, SandboxSpec | None]] = [
+        (SandboxSpec(), None),
+        (SandboxSpec.with_gpus(), None),
+    ]
     if driver.capabilities.shared:
         # Sharers of one GPU: whatever the driver gives them for sharing is theirs alone too.
-        sandboxes(SandboxSpec.with_gpus(sharing=SHARED)).exec(["sh", "-c", write])
-        readers.append(SandboxSpec.with_gpus(sharing=SHARED))
+        shared = SandboxSpec.with_gpus(sharing=SHARED)
+        readers.append((shared, shared))
     secrets = _host_secrets()
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
-        for second in (sandboxes(spec) for spec in readers):
-            # Everywhere but the kernel's file systems and /usr, which only holds programs; and
-            # what the driver keeps of the first sandbox (a keepalive FIFO, a socket) by its id.
-            search = (
-                "find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o "
-                f"\\( -name '{marker}*' -o -name '*{first.id}*' \\) -print 2>/dev/null; true"
-            )
-            found = second.exec(["sh", "-c", search]).check().stdout.split()
-            assert found == [], (
-                f"sandbox {second.id} sees files of another sandbox or of the host ({planted}): "
-                f"{found}"
-            )
-            # Under any name: a mount of the host's private state is told by what it mounts.
-            exposed = _mounts_exposing(second, _private_places(driver))
-            assert exposed == [], f"sandbox {second.id} mounts the host's private state: {exposed}"
-            listing = " ".join(f'[ -e {path} ] && echo "{path}";' for path in ENGINE_STATE)
-            seen = second.exec(["sh", "-c", f"{listing} true"]).check().stdout.split()
-            present = [path for path in ENGINE_STATE if os.path.exists(path)]
-            assert not set(seen) & set(present), (
-                f"sandbox {second.id} sees the engines' state of the host: {seen}"
-            )
-            digests = f"sha256sum {' '.join(secrets)} 2>/dev/null; true" if secrets else "true"
-            read = {
-                line.split()[-1]: line.split()[0]
-                for line in second.exec(["sh", "-c", digests]).stdout.splitlines()
-                if len(line.split()) == 2
-            }
-            readable = sorted(path for path, digest in secrets.items() if read.get(path) == digest)
-            assert readable == [], f"sandbox {second.id} reads the host's secrets {readable}"
+        for spec, writer in readers:
+            if writer is not None:
+                sandboxes(writer).exec(["sh", "-c", write])
+            with sandboxes(spec) as second:
+                _assert_sees_nothing_of_others(driver, second, marker, first.id, planted, secrets)
+
+
+def _assert_sees_nothing_of_others(
+    driver: Driver,
+    second: Sandbox,
+    marker: str,
+    first_id: str,
+    planted: list[Path],
+    secrets: dict[str, str],
+) -> None:
+    """No file another sandbox wrote or the driver keeps for it; none of the host's state."""
+    __tracebackhide__ = True
+    # Everywhere but the kernel's file systems and /usr, which only holds programs; and
+    # what the driver keeps of the first sandbox (a keepalive FIFO, a socket) by its id.
+    search = (
+        "find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o "
+        f"\\( -name '{marker}*' -o -name '*{first_id}*' \\) -print 2>/dev/null; true"
+    )
+    found = second.exec(["sh", "-c", search]).check().stdout.split()
+    assert found == [], (
+        f"sandbox {second.id} sees files of another sandbox or of the host ({planted}): {found}"
+    )
+    # Under any name: a mount of the host's private state is told by what it mounts.
+    exposed = _mounts_exposing(second, _private_places(driver))
+    assert exposed == [], f"sandbox {second.id} mounts the host's private state: {exposed}"
+    listing = " ".join(f'[ -e {path} ] && echo "{path}";' for path in ENGINE_STATE)
+    seen = second.exec(["sh", "-c", f"{listing} true"]).check().stdout.split()
+    present = [path for path in ENGINE_STATE if os.path.exists(path)]
+    assert not set(seen) & set(present), (
+        f"sandbox {second.id} sees the engines' state of the host: {seen}"
+    )
+    digests = f"sha256sum {' '.join(secrets)} 2>/dev/null; true" if secrets else "true"
+    read = {
+        line.split()[-1]: line.split()[0]
+        for line in second.exec(["sh", "-c", digests]).stdout.splitlines()
+        if len(line.split()) == 2
+    }
+    readable = sorted(path for path, digest in secrets.items() if read.get(path) == digest)
+    assert readable == [], f"sandbox {second.id} reads the host's secrets {readable}"
