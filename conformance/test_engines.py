@@ -164,10 +164,8 @@ def test_reap_removes_a_container_whose_creator_died_before_starting_it(
 def test_a_paused_container_keeps_its_gpus(
     engine: ContainerDriver, sandboxes: SandboxFactory
 ) -> None:
-    """A container paused through the engine's CLI MUST keep its GPUs: busy to exact requests.
-
-    It exists and holds them, its processes frozen with the GPU open: not running is not gone.
-    """
+    """A container paused through the engine's CLI MUST keep its GPUs: busy to exact requests."""
+    # It exists and holds them, its processes frozen with the GPU open: not running, not gone.
     victim = sandboxes(SandboxSpec.with_gpus())
     assert isinstance(victim, ContainerSandbox)
     paused = _cli(engine.cli_argv("pause", victim.container_id))

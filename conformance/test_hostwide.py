@@ -218,11 +218,9 @@ def test_leases_of_holders_that_are_gone_hold_nothing(
 def test_a_lease_file_of_an_older_client_holds_its_gpus(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
-    """A version-1 lease file (no boot_id) is the running boot's: its live leases MUST hold.
-
-    Written over the registry's file, so only on a simulated host, whose registry is the
-    run's own; a real host's registry is never written but through the protocol.
-    """
+    """A version-1 lease file (no boot_id) is the running boot's: its live leases MUST hold."""
+    # Written over the registry's file, so only on a simulated host, whose registry is the
+    # run's own; a real host's registry is never written but through the protocol.
     if driver.host.simulated is None:
         pytest.skip("needs a simulated host: it writes the lease registry's file itself")
     free, *held = driver.inventory()
@@ -274,11 +272,9 @@ LOCK_HELD_S = 1.0
 def test_a_create_waits_while_another_client_holds_the_registry_lock(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
-    """Every grant MUST hold flock on the registry's file: none while another client holds it.
-
-    flock and POSIX record locks (lockf, fcntl F_SETLK) do not see each other on Linux: a
-    driver that locks the file another way races every other client of the protocol.
-    """
+    """Every grant MUST hold flock on the registry's file: none while another client holds it."""
+    # flock and POSIX record locks (lockf, fcntl F_SETLK) do not see each other on Linux: a
+    # driver that locks the file another way races every other client of the protocol.
     driver.host.leases.leases()  # makes the registry's file, with the protocol's mode
     with (
         (driver.host.leases.directory / LEASE_FILE).open("rb") as registry,
