@@ -298,12 +298,7 @@ class ReferenceDriver(Driver):
         engines' state, home directories and the host's /run, and a container mount
         vanishing while bwrap copies the mount tree would fail the sandbox's start.
         """
-        argv: list[str] = []
-        for path in _SYSTEM_DIRS:
-            if path.is_symlink():  # /bin -> usr/bin on a merged-/usr system
-                argv += ["--symlink", os.readlink(path), str(path)]
-            elif path.is_dir():
-                argv += ["--ro-bind", str(path), str(path)]
+        argv = system_dirs_argv()
         for secret in _ETC_SECRETS:
             if secret.is_dir():
                 argv += ["--tmpfs", str(secret)]
@@ -448,6 +443,17 @@ class ReferenceSandbox(Sandbox):
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)
+
+
+def system_dirs_argv() -> list[str]:
+    """Bwrap arguments that bind the host's system directories read-only, and nothing else."""
+    argv: list[str] = []
+    for path in _SYSTEM_DIRS:
+        if path.is_symlink():  # /bin -> usr/bin on a merged-/usr system
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), str(path)]
+    return argv
 
 
 def _under_system_dirs(path: Path) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from drivers.reference import system_dirs_argv
 from gpuhost.devices import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
 from gpuhost.leases import Holder
 from gpuhost.simulated import (
@@ -75,7 +76,7 @@ def sandbox() -> None:
     if BWRAP is None:
         pytest.skip("needs bwrap (apt-get install bubblewrap)")
     trial = subprocess.run(
-        [BWRAP, "--ro-bind", "/", "/", "--dev", "/dev", "true"],
+        [BWRAP, *system_dirs_argv(), "--dev", "/dev", "true"],
         capture_output=True,
         text=True,
         check=False,
@@ -120,7 +121,9 @@ def smi(
     other simulated host is visible inside; only its share/ is, at /run/gpu-sim.
     """
     assert BWRAP is not None
-    argv = [BWRAP, "--ro-bind", "/", "/", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    # The host's system directories, not its whole root: container mounts come and go under
+    # /var/lib, and bwrap fails when one vanishes while it copies the mount tree.
+    argv = [BWRAP, *system_dirs_argv(), "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
     argv += ["--ro-bind", str(host.share_dir), SANDBOX_SHARE]
     if control:
         argv += ["--dev-bind", str(host.root / "dev" / "nvidiactl"), "/dev/nvidiactl"]
