@@ -14,6 +14,7 @@ driver (``gpu-sandbox spec``) does not pay for it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,21 +220,46 @@ def _api_client(url: str, timeout: int, version: str) -> docker.APIClient:
 class _BufferedStream:
     """A socket, as docker-py's stream readers use one, read through the response's buffer.
 
-    ``recv`` gives the buffered bytes first, then the connection's.
-
-    docker-py polls the descriptor before each read, so bytes already buffered wait for the
-    next bytes or the end of the stream: none is lost, a streamed line may come late.
+    What came with the headers is taken from the buffer at once and handed out first; then
+    the connection's bytes, read straight through (``read1`` of an empty buffer reads at
+    most what is asked for, so nothing is buffered again). docker-py polls the descriptor
+    before each read: while bytes are pending, it is given one that is always readable (an
+    eventfd), or a command's first lines would wait for its next output.
     """
 
     def __init__(self, response: Any) -> None:
         self._response = response  # keeps the connection open while the stream is read
         self._reader = response.raw._fp.fp
+        self._pending = _buffered_now(self._reader)
+        self._ready = os.eventfd(1, os.EFD_CLOEXEC) if self._pending else -1
 
     def fileno(self) -> int:
-        return int(self._reader.fileno())
+        return self._ready if self._pending else int(self._reader.fileno())
 
     def recv(self, size: int) -> bytes:
-        return bytes(self._reader.read1(size))
+        if not self._pending:
+            return bytes(self._reader.read1(size))
+        taken, self._pending = self._pending[:size], self._pending[size:]
+        if not self._pending:
+            os.close(self._ready)
+        return taken
+
+    def __del__(self) -> None:
+        if self._pending:
+            os.close(self._ready)
+
+
+def _buffered_now(reader: Any) -> bytes:
+    """What ``reader`` holds, or its socket has ready, without waiting for more."""
+    sock = reader.raw._sock
+    timeout = sock.gettimeout()
+    sock.settimeout(0)
+    try:
+        return bytes(reader.read1(65536))
+    except BlockingIOError:
+        return b""
+    finally:
+        sock.settimeout(timeout)
 
 
 _client = client_cache(lambda url, timeout: _api_client(url, timeout, "auto"))

@@ -9,10 +9,13 @@ in one write, so the case that loses output with docker-py's own stream reader
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
 import struct
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
@@ -23,6 +26,11 @@ from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 
 EXEC_ID = "e" * 64
+
+
+STILL_RUNNING = threading.Event()
+"""Cleared while a test keeps the stand-in's command running after its first output."""
+STILL_RUNNING.set()
 
 
 def frame(stream: int, data: bytes) -> bytes:
@@ -91,7 +99,10 @@ def converse(conn: socket.socket) -> None:
             reply = answer(head.split(b"\r\n")[0].decode())
             conn.sendall(reply)
             if b" 101 " in reply.split(b"\r\n")[0]:
-                break  # the exec ended: the daemon closes the upgraded connection
+                # The command goes on, silent, while a test holds it; then it ends, and the
+                # daemon closes the upgraded connection.
+                STILL_RUNNING.wait(timeout=30)
+                break
 
 
 @pytest.fixture
@@ -140,3 +151,27 @@ def test_streamed_exec_keeps_output_that_came_with_the_headers(
         b"a warning\n",
         3,
     )
+
+
+def test_streamed_exec_hands_on_what_came_with_the_headers_at_once(
+    daemon: str, sim_host: simulated.SimulatedHost
+) -> None:
+    """A command's first output, come with the headers, is passed on before it writes more."""
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    STILL_RUNNING.clear()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(
+                driver(sim_host).exec_stream_in,
+                "c" * 64, ["nvidia-smi", "-L"], {}, out_write, err_write,
+            )  # fmt: skip
+            ready, _, _ = select.select([out_read], [], [], 10)
+            assert ready, "the output that came with the headers waits for the command's next"
+            assert os.read(out_read, 65536).startswith(b"GPU-0\n")
+            STILL_RUNNING.set()
+            assert streaming.result(timeout=30) == 3
+    finally:
+        STILL_RUNNING.set()
+        for fd in (out_read, out_write, err_read, err_write):
+            os.close(fd)
