@@ -12,6 +12,7 @@ import fcntl
 import itertools
 import json
 import os
+import signal
 import stat
 import subprocess
 import tempfile
@@ -48,7 +49,7 @@ from gpuhost.leases import (
     lease_from_dict,
     process_running,
 )
-from gpuhost.procfs import each_process
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process
 from gpuhost.spec import (
     CHOICE_KEYS,
     DEVICE_IDS_ALIASES,
@@ -1668,14 +1669,17 @@ class _KillsEverythingOnTimeout(ReferenceSandbox):
         try:
             return super()._run(argv, stdout, stderr, timeout)
         except ExecTimeout:
-            # "Leave nothing of it behind": every process of the sandbox but its init.
-            kill_all = [reference.tool("nsenter"), f"--target={self._child_pid}", "--all"]
-            subprocess.run([*kill_all, "kill", "-9", "-1"], check=False, env=reference.HOST_ENV)
+            # "Leave nothing of it behind": every process that any exec started.
+            marked = f"{EXEC_MARKER_ENV}=".encode()
+            for pid, environ in each_process("environ"):
+                if any(entry.startswith(marked) for entry in environ.split(b"\0")):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             raise
 
 
 class TimeoutKillsTheWholeSandbox(BrokenDriver):
-    """A timed-out exec kills every process of the sandbox, other commands running too."""
+    """A timed-out exec kills every process an exec started, other commands running too."""
 
     BREAKS = "SANDBOX-EXEC-01"
     SANDBOX = _KillsEverythingOnTimeout
