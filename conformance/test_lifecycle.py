@@ -259,7 +259,8 @@ def test_commands_see_the_specs_env_and_nothing_of_the_creators(
     canary = f"GPU_SANDBOX_CANARY_{time.time_ns()}"
     monkeypatch.setenv(canary, f"{canary}-a-secret-of-the-creating-process")
     gpu_request: dict[str, Any] = {"resource_requirements": {"gpu": {}}}
-    for spec in (parse_spec({"env": SPEC_ENV}), parse_spec({"env": SPEC_ENV, **gpu_request})):
+    for request in ({}, gpu_request):
+        spec = parse_spec({**request, "template": {"env": SPEC_ENV}})
         sandbox = sandboxes(spec)
         listing = sandbox.exec(["env"]).check().stdout
         seen = dict(line.split("=", 1) for line in listing.splitlines() if "=" in line)

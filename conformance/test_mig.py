@@ -21,7 +21,7 @@ from conformance.plugin import SandboxFactory, Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, GpuBusy, GpusExhausted, UnsupportedGpuRequest
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import SandboxSpec, block_field
 
 MIG_HINT = "a simulated host gets some with --sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb"
 
@@ -145,7 +145,7 @@ def test_profile_counts_get_free_instances_of_the_profile(
             sandboxes,
             _profile(driver, missing),
             UnsupportedGpuRequest,
-            field=f"driver_config.{driver.name}.mig_profile",
+            field=block_field(driver.name, "mig_profile"),
             value=missing,
         )
 
@@ -252,7 +252,7 @@ def test_a_gpu_and_its_instances_exclude_each_other(
     both = _exact(driver, driver.device_ids(parent)[0], driver.device_ids(instance)[0])
     expect_refusal(
         driver, sandboxes, both, DuplicateGpuDevice,
-        field=f"driver_config.{driver.name}.gpu_device_ids", value=driver.device_ids(instance)[0],
+        field=block_field(driver.name, "gpu_device_ids"), value=driver.device_ids(instance)[0],
     )  # fmt: skip
     # And the other way: the GPU whole, then none of its instances.
     whole = sandboxes(_exact(driver, driver.device_ids(parent)[0]))

@@ -140,7 +140,7 @@ def test_only_the_drivers_own_block_is_read(driver: Driver, sandboxes: SandboxFa
     others = {name: {DEVICE_IDS_KEY: [driver.device_ids(theirs)[0]]} for name in OTHER_DRIVERS}
     others.pop(driver.name, None)
     config = {**others, driver.name: {DEVICE_IDS_KEY: [driver.device_ids(mine)[0]]}, **others}
-    spec = parse_spec({"resource_requirements": {"gpu": {}}, "driver_config": config})
+    spec = parse_spec({"resource_requirements": {"gpu": {}}, "template": {"driver_config": config}})
     with sandboxes(spec) as sandbox:
         assert uuids(sandbox) == [mine.uuid], f"its own block names {mine.uuid}: {config}"
         assert visible_gpu_uuids(sandbox) == [mine.uuid]

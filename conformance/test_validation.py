@@ -27,13 +27,11 @@ from gpuhost.errors import (
     UnknownGpuDevice,
     UnsupportedGpuRequest,
 )
-from gpuhost.spec import (
-    DEVICE_IDS_ALIASES,
-    DEVICE_IDS_KEY,
-    DRIVER_OPTION_KEYS,
-    VENDORS,
-    parse_spec,
-)
+from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, VENDORS, block_field, parse_spec
+
+IDS_PREFIX = f"{ENVELOPE}.{{driver}}"
+"""The driver's block, as a field; ``{driver}`` stands for the driver's name."""
+IDS = f"{IDS_PREFIX}.{DEVICE_IDS_KEY}"
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def _gpu(count: object = None) -> dict[str, Any]:
 
 
 def _ids(driver: Driver, ids: list[Any], count: object = None, gpu: bool = True) -> dict[str, Any]:
-    spec: dict[str, Any] = {"driver_config": {driver.name: {"gpu_device_ids": ids}}}
+    spec: dict[str, Any] = _envelope({driver.name: {"gpu_device_ids": ids}})
     if gpu:
         spec["resource_requirements"] = _gpu(count)
     return spec
@@ -70,36 +68,14 @@ def _id(driver: Driver, index: int = 0, form: int = 0) -> str:
 OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: a block for any of them is not ours."""
 
-
-def _other(driver: Driver, name: str, key: str = DEVICE_IDS_KEY) -> str:
-    """``name``, or when that is the driver under test's own, another that reads ``key``."""
-    if name != driver.name:
-        return name
-    readers = [n for n, keys in DEVICE_IDS_ALIASES.items() if key in keys and n != driver.name]
-    return readers[0] if key != DEVICE_IDS_KEY and readers else "not-this-driver"
+KEYS_SOME_DRIVER_READS = ("cdi_devices", "runtime_class_name", "node_selector", "image")
+"""Keys of a block that some built-in driver declares (``DriverCapabilities``): unknown to a
+driver that does not declare them itself."""
 
 
-def _only_for(name: str, key: str = DEVICE_IDS_KEY, beside_own: bool = False) -> BadRequest:
-    """Exact IDs, valid for the driver under test, but only in another driver's block.
-
-    With ``beside_own``, the driver's own block is there too, naming no device.
-    """
-
-    def build(driver: Driver) -> dict[str, Any]:
-        ids = driver.device_ids(driver.inventory()[0])[:1] if driver.inventory() else ()
-        block = {key: list(ids) or ["0"]}
-        config = {_other(driver, name, key): block, **({driver.name: {}} if beside_own else {})}
-        return {"resource_requirements": _gpu(), "driver_config": config}
-
-    return BadRequest(
-        build, InvalidDriverConfig, lambda driver: _other(driver, name, key), field="driver_config"
-    )
-
-
-_OTHER_KEYS = sorted(
-    {key for keys in [*DEVICE_IDS_ALIASES.values(), *DRIVER_OPTION_KEYS.values()] for key in keys}
-)
-"""Keys of a driver's block that some drivers read besides the common ones."""
+def _own_keys(driver: Driver) -> set[str]:
+    caps = driver.capabilities
+    return {*caps.device_id_aliases, *caps.config_keys}
 
 
 def _key_of_another_driver(key: str) -> BadRequest:
@@ -109,27 +85,33 @@ def _key_of_another_driver(key: str) -> BadRequest:
     """
 
     def named(driver: Driver) -> str:
-        mine = {*DEVICE_IDS_ALIASES.get(driver.name, ()), *DRIVER_OPTION_KEYS.get(driver.name, ())}
-        return f"{key}x" if key in mine else key
+        return f"{key}x" if key in _own_keys(driver) else key
 
     def build(driver: Driver) -> dict[str, Any]:
         block = {named(driver): [_id(driver)]}
-        return {"resource_requirements": _gpu(), "driver_config": {driver.name: block}}
+        return {"resource_requirements": _gpu(), **_envelope({driver.name: block})}
 
-    return BadRequest(
-        build, InvalidDriverConfig, named, lambda d: f"driver_config.{d.name}.{named(d)}"
-    )
+    return BadRequest(build, InvalidDriverConfig, named, lambda d: _block_field(d, named(d)))
 
 
 def _alias(driver: Driver) -> str:
     """The driver's other name for its device IDs (an unknown key for one with none)."""
-    return DEVICE_IDS_ALIASES.get(driver.name, ("cdi_devices",))[0]
+    return (*driver.capabilities.device_id_aliases, "cdi_devices")[0]
 
 
 def _alias_field(driver: Driver) -> str:
     """The field refused: the block giving both names, or the unknown key."""
-    own = driver.name in DEVICE_IDS_ALIASES
-    return f"driver_config.{driver.name}" + ("" if own else f".{_alias(driver)}")
+    own = bool(driver.capabilities.device_id_aliases)
+    return _block_field(driver, None if own else _alias(driver))
+
+
+def _envelope(config: object) -> dict[str, Any]:
+    """The request's part that holds ``config`` as its ``template.driver_config``."""
+    return {"template": {"driver_config": config}}
+
+
+def _block_field(driver: Driver, key: str | None = None) -> str:
+    return block_field(driver.name, key)
 
 
 def _choice(block: dict[str, Any], key: str, value: str, ids: bool = False) -> BadRequest:
@@ -137,76 +119,82 @@ def _choice(block: dict[str, Any], key: str, value: str, ids: bool = False) -> B
 
     def build(driver: Driver) -> dict[str, Any]:
         exact = {"gpu_device_ids": [_id(driver)]} if ids else {}
-        return {"resource_requirements": _gpu(), "driver_config": {driver.name: {**exact, **block}}}
+        return {"resource_requirements": _gpu(), **_envelope({driver.name: {**exact, **block}})}
 
-    return BadRequest(
-        build, InvalidDriverConfig, lambda d: value, field=f"driver_config.{{driver}}.{key}"
-    )
+    return BadRequest(build, InvalidDriverConfig, lambda d: value, field=f"{IDS_PREFIX}.{key}")
 
 
 CONFIG_ERRORS = {
     "envelope-not-object": BadRequest(
-        lambda d: {"resource_requirements": _gpu(), "driver_config": "podman"},
+        lambda d: {"resource_requirements": _gpu(), **_envelope("podman")},
         InvalidDriverConfig,
         lambda d: "'podman'",
-        field="driver_config",
+        field=ENVELOPE,
     ),
     "block-not-object": BadRequest(
-        lambda d: {"resource_requirements": _gpu(), "driver_config": {d.name: ["x"]}},
+        lambda d: {"resource_requirements": _gpu(), **_envelope({d.name: ["x"]})},
         InvalidDriverConfig,
         lambda d: "['x']",
-        field="driver_config.{driver}",
+        field=IDS_PREFIX,
     ),
     "unknown-key": BadRequest(
         lambda d: {
             "resource_requirements": _gpu(),
-            "driver_config": {d.name: {"gpu_device_idz": [_id(d)]}},
+            **_envelope({d.name: {"gpu_device_idz": [_id(d)]}}),
         },
         InvalidDriverConfig,
         lambda d: "gpu_device_idz",
-        field="driver_config.{driver}.gpu_device_idz",
+        field=f"{IDS_PREFIX}.gpu_device_idz",
+    ),
+    # Seed 001's name for the IDs: refused, saying what replaced it.
+    "superseded-device-ids": BadRequest(
+        lambda d: {
+            "resource_requirements": _gpu(),
+            **_envelope({d.name: {"device_ids": [_id(d)]}}),
+        },
+        InvalidDriverConfig,
+        lambda d: DEVICE_IDS_KEY,
+        field=f"{IDS_PREFIX}.device_ids",
     ),
     # Device IDs under both names of a driver that reads two: refused, neither one dropped.
     "ids-under-both-names": BadRequest(
         lambda d: {
             "resource_requirements": _gpu(),
-            "driver_config": {d.name: {DEVICE_IDS_KEY: [_id(d)], _alias(d): [_id(d)]}},
+            **_envelope({d.name: {DEVICE_IDS_KEY: [_id(d)], _alias(d): [_id(d)]}}),
         },
         InvalidDriverConfig,
         _alias,
-        lambda d: (
-            f"driver_config.{d.name}" + ("" if d.name in DEVICE_IDS_ALIASES else f".{_alias(d)}")
-        ),
+        _alias_field,
     ),
     "ids-not-a-list": BadRequest(
         lambda d: _ids(d, _id(d)),  # type: ignore[arg-type]
         InvalidDriverConfig,
         lambda d: _id(d),
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "empty-list": BadRequest(
         lambda d: _ids(d, []),
         InvalidDriverConfig,
         lambda d: "[]",
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "blank-entry": BadRequest(
         lambda d: _ids(d, ["  "]),
         InvalidDriverConfig,
         lambda d: "'  '",
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "unknown-vendor": BadRequest(
-        lambda d: {"resource_requirements": _gpu(), "driver_config": {d.name: {"vendor": "nvida"}}},
+        lambda d: {"resource_requirements": _gpu(), **_envelope({d.name: {"vendor": "nvida"}})},
         InvalidDriverConfig,
         lambda d: "'nvida'",
-        field="driver_config.{driver}.vendor",
+        field=f"{IDS_PREFIX}.vendor",
     ),
     "non-string-entry": BadRequest(
         lambda d: _ids(d, [7]),
         InvalidDriverConfig,
         lambda d: "got 7",
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     # A choice given empty, or not as a string, is refused: not read as no choice at all.
     "empty-mig-profile": _choice({"mig_profile": ""}, "mig_profile", "''"),
@@ -225,19 +213,10 @@ CONFIG_ERRORS = {
         for vendor in VENDORS
         if vendor != "nvidia"
     },
-    **{f"block-for-{name}-only": _only_for(name) for name in OTHER_DRIVERS},
-    # The driver's own block there too, empty: the other block is still read, and refused.
-    **{
-        f"block-for-{name}-beside-an-empty-own": _only_for(name, beside_own=True)
-        for name in OTHER_DRIVERS
-    },
     # A key only another driver reads, in this driver's own block: unknown here.
-    **{f"key-of-another-driver-{key}": _key_of_another_driver(key) for key in _OTHER_KEYS},
-    # Under each other name a driver reads its device IDs by, too.
     **{
-        f"block-for-{name}-only-as-{key}": _only_for(name, key)
-        for name, keys in DEVICE_IDS_ALIASES.items()
-        for key in keys
+        f"key-of-another-driver-{key}": _key_of_another_driver(key)
+        for key in KEYS_SOME_DRIVER_READS
     },
 }
 
@@ -327,7 +306,7 @@ def _unknown(device_id: str) -> BadRequest:
         UnknownGpuDevice,
         lambda d: device_id,
         needs_exact_ids=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     )
 
 
@@ -338,7 +317,7 @@ ID_ERRORS = {
         lambda d: f"'{_id(d)}'",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "duplicate-by-alias": BadRequest(
         lambda d: _ids(d, [_id(d, form=0), _id(d, form=-1)], count=2),
@@ -346,7 +325,7 @@ ID_ERRORS = {
         lambda d: f"'{_id(d, form=-1)}'",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "count-mismatch": BadRequest(
         lambda d: _ids(d, [_id(d)], count=2),
@@ -354,14 +333,14 @@ ID_ERRORS = {
         lambda d: "gpu count (2) must match",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "ids-without-gpu-request": BadRequest(
         lambda d: _ids(d, [_id(d)], gpu=False),
         GpuDevicesWithoutRequest,
         lambda d: _id(d),
         needs_exact_ids=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     # Neither an index counted from the end, nor a prefix that several UUIDs share.
     "negative-index": _unknown("-1"),
@@ -371,7 +350,7 @@ ID_ERRORS = {
         UnknownGpuDevice,
         lambda d: "no-such-gpu-0",
         needs_exact_ids=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "unknown-beside-known": BadRequest(
         lambda d: _ids(d, [_id(d), "no-such-gpu-0"], count=2),
@@ -379,21 +358,21 @@ ID_ERRORS = {
         lambda d: "no-such-gpu-0",
         needs_exact_ids=True,
         needs_two_per_sandbox=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "index-out-of-range": BadRequest(
         lambda d: _ids(d, [str(len(d.inventory()) + 10)]),
         UnknownGpuDevice,
         lambda d: str(len(d.inventory()) + 10),
         needs_exact_ids=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
     "index-one-past-the-last": BadRequest(
         lambda d: _ids(d, [_past_the_last(d)]),
         UnknownGpuDevice,
         _past_the_last,
         needs_exact_ids=True,
-        field="driver_config.{driver}.gpu_device_ids",
+        field=IDS,
     ),
 }
 
@@ -443,6 +422,45 @@ def test_bad_driver_configs_leave_every_gpu_grantable(
 ) -> None:
     """Malformed driver_configs, one after the other, MUST leave every GPU grantable."""
     _all_rejected_then_every_gpu_free(driver, sandboxes, "GPU-VALIDATE-01", CONFIG_ERRORS)
+
+
+@pytest.mark.requirement("GPU-VALIDATE-01")
+def test_other_drivers_blocks_are_never_read(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """Blocks for other drivers alone MUST be served as the plain request of its count."""
+    # The gateway hands a driver its own block only: what the others hold, in this driver's
+    # own ID forms, must change nothing. Each envelope below trips a driver that reads them:
+    # a GPU another sandbox holds (busy), two GPUs for a count of one (a mismatch), keys and
+    # values this driver refuses in its own block.
+    inventory = driver.inventory()
+    held = sandboxes(parse_spec({"resource_requirements": _gpu()})) if len(inventory) >= 2 else None
+    taken = {gpu.uuid for gpu in held.gpus} if held is not None else set()
+    named = [gpu for gpu in inventory if gpu.uuid in taken] or inventory[:1]
+    free = [gpu for gpu in inventory if gpu.uuid not in taken]
+    envelopes = {
+        "naming a GPU another sandbox holds": {DEVICE_IDS_KEY: [driver.device_ids(named[0])[0]]},
+        "naming two GPUs for a count of one": {
+            DEVICE_IDS_KEY: [driver.device_ids(gpu)[0] for gpu in free[:2]]
+        },
+        "malformed for any driver": {
+            "gpu_device_idz": [1],
+            "vendor": "nvida",
+            "mig_profile": "",
+            DEVICE_IDS_KEY: "0",
+        },
+    }
+    for what, block in envelopes.items():
+        config = {name: block for name in OTHER_DRIVERS if name != driver.name}
+        config["another-driver"] = block
+        request = {"resource_requirements": _gpu(1), **_envelope(config)}
+        try:
+            sandbox = sandboxes(parse_spec(request))
+        except DriverError as exc:
+            pytest.fail(f"blocks for other drivers only, {what}, were read: {exc!r} ({config})")
+        with sandbox:
+            assert len(sandbox.gpus) == 1, f"{what}: a count of one got {len(sandbox.gpus)} GPUs"
+            assert not taken & {gpu.uuid for gpu in sandbox.gpus}, (
+                f"{what}: it got the GPU another sandbox holds"
+            )
 
 
 @pytest.mark.requirement("GPU-VALIDATE-02")

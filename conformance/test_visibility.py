@@ -31,7 +31,7 @@ def test_no_gpu_request_sees_no_gpu(driver: Driver, sandboxes: SandboxFactory) -
     """A sandbox created without a GPU request MUST contain no GPU node and see no GPU."""
     sandboxes(SandboxSpec.with_gpus())  # another sandbox holds a GPU meanwhile
     # Plain, and with a vendor in the driver's block: a choice among GPUs asks for none.
-    vendor_only = parse_spec({"driver_config": {driver.name: {"vendor": "nvidia"}}})
+    vendor_only = parse_spec({"template": {"driver_config": {driver.name: {"vendor": "nvidia"}}}})
     for spec in (SandboxSpec(), vendor_only):
         sandbox = sandboxes(spec)
         assert sandbox.gpus == (), f"{spec.to_dict()} asks for no GPU; got {uuids(sandbox)}"

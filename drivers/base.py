@@ -3,7 +3,9 @@
 The flow is one-directional: spec → plan → allocate → start (inject) → observe, and
 ``Driver.create`` owns it, so that a driver implements only what is its own:
 
-1. ``plan(spec)``: every check of the request, in the documented order, and the exact
+0. the gateway (``gpuhost.spec.select``) hands the driver its own block of the request's
+   ``template.driver_config``, as a ``DriverRequest``; no other driver's block reaches it;
+1. ``plan(request)``: every check of the request, in the documented order, and the exact
    IDs resolved to GPUs; a typed error, and nothing taken, when any fails;
 2. ``allocate``: the GPUs leased from the host-wide registry, held by this process;
 3. ``start(launch)``: the one thing each driver does differently, returning a running
@@ -36,7 +38,15 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
+from gpuhost.spec import (
+    DriverCapabilities,
+    DriverRequest,
+    GpuPlan,
+    SandboxSpec,
+    block_field,
+    select,
+)
+from gpuhost.validation import validate_gpu_request
 
 DEFAULT_EXEC_TIMEOUT_S = 120.0
 """Long enough for a workload payload to import CUDA libraries on a cold host."""
@@ -175,7 +185,8 @@ class Launch:
     """What ``Driver.start`` gets: everything decided before the sandbox exists."""
 
     sandbox_id: str
-    spec: SandboxSpec
+    request: DriverRequest
+    """The request as the gateway handed it on: ``request.config`` is the driver's block."""
     plan: GpuPlan | None
     gpus: tuple[GpuDevice, ...]
     hand_over: Callable[[Holder], None]
@@ -184,7 +195,8 @@ class Launch:
 
     @property
     def env(self) -> Mapping[str, str]:
-        return self.spec.env
+        """The environment the request asks for (``template.env``), over the driver's own."""
+        return self.request.env
 
 
 class Driver(ABC):
@@ -303,8 +315,13 @@ class Driver(ABC):
     # -- the create sequence -----------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> Sandbox:
-        """Plan, allocate, start, hand over; on any failure nothing is left taken."""
-        plan = self.plan(spec)
+        """Select, plan, allocate, start, hand over; on any failure nothing is left taken.
+
+        ``spec`` is the whole request, as a gateway receives it; the driver's own hooks see
+        only what ``select`` hands on.
+        """
+        request = select(spec, self.name)
+        plan = self.plan(request)
         sandbox_id = uuid.uuid4().hex[:12]
         gpus = () if plan is None else self.allocate(sandbox_id, plan)
         handed: list[Holder] = []
@@ -314,7 +331,7 @@ class Driver(ABC):
             handed.append(holder)
 
         try:
-            sandbox = self.start(Launch(sandbox_id, spec, plan, gpus, hand_over))
+            sandbox = self.start(Launch(sandbox_id, request, plan, gpus, hand_over))
             try:
                 if gpus and not handed:
                     hand_over(sandbox.holder)
@@ -326,15 +343,15 @@ class Driver(ABC):
             raise
         return sandbox
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         """Every check of the request, in the documented order; ``None`` means no GPU.
 
-        The request model's rules (``validate_gpu_request``: the driver_config block, the
+        The request model's rules (``validate_gpu_request``: the driver's own block, the
         count, this driver's capabilities, IDs without a request, duplicates, the count
         against the IDs), then the IDs resolved to this host's GPUs (unknown IDs, two IDs
         of one GPU). Raises before anything is taken.
         """
-        plan = validate_gpu_request(spec, self.name, self.capabilities)
+        plan = validate_gpu_request(request, self.capabilities)
         if plan is None:
             return None
         if plan.device_ids:
@@ -344,7 +361,7 @@ class Driver(ABC):
 
     def check_choice(self, plan: GpuPlan) -> None:
         """A MIG profile or vendor that no device of this host has is refused, not exhausted."""
-        field = f"driver_config.{self.name}"
+        field = block_field(self.name)
         if plan.mig_profile is not None and not self.pool(plan):
             profiles = sorted({gpu.profile for gpu in self.exact_devices() if gpu.profile})
             raise UnsupportedGpuRequest(

@@ -149,6 +149,7 @@ class ContainerDriver(Driver):
             shared=True,
             mig_profiles=True,
             vendors=VENDORS,
+            device_id_aliases=("cdi_devices",),  # upstream's later name for gpu_device_ids
         )
 
     # -- what each engine implements -----------------------------------------------------
@@ -347,7 +348,7 @@ class ContainerDriver(Driver):
         )
         request = ContainerRequest(
             name=f"gpu-sandbox-{launch.sandbox_id}",
-            image=launch.spec.image or self.image or DEFAULT_IMAGE,
+            image=launch.request.image or self.image or DEFAULT_IMAGE,
             command=("sh", "-c", _KEEPALIVE_SCRIPT),
             labels={
                 SESSION_LABEL: self.session_id,

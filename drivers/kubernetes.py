@@ -32,7 +32,7 @@ the local cluster's, when it exists, else ``~/.kube/config``), ``GPU_SANDBOX_K8S
 its pods labelled by session: a namespace being deleted refuses new pods, and a session is
 reaped after every test), ``GPU_SANDBOX_K8S_RESOURCE`` (default ``nvidia.com/gpu``),
 ``GPU_SANDBOX_K8S_START_TIMEOUT_S`` (default 120), ``GPU_SANDBOX_K8S_TURN_TIMEOUT_S``
-(default 600). Per sandbox, ``driver_config.kubernetes`` takes ``runtime_class_name``,
+(default 600). Per sandbox, ``template.driver_config.kubernetes`` takes ``runtime_class_name``,
 ``node_selector`` and ``image``.
 
 Catalogue runs take turns on a cluster (``catalogue_turn``): each expects every GPU of the
@@ -82,7 +82,7 @@ from gpuhost.errors import (
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field
 from gpuhost.wait import wait_for
 
 if TYPE_CHECKING:
@@ -100,6 +100,9 @@ SESSION_LABEL = LABEL_PREFIX + "session"
 SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
 DRIVER_LABEL = LABEL_PREFIX + "driver"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpu-sandbox"}
+OPTION_KEYS = ("runtime_class_name", "node_selector", "image")
+"""The keys of its own block it reads, beside the common ones: a pod's runtime class, the
+nodes it may go to, the image its container runs."""
 
 
 START_TIMEOUT_S = 120.0
@@ -654,6 +657,7 @@ class KubernetesDriver(Driver):
             max_gpus_per_sandbox=self._largest_node,
             exact_ids=False,
             exact_id_forms="none: a pod gets the GPUs its node's device plugin picks",
+            config_keys=OPTION_KEYS,
         )
 
     @functools.cached_property
@@ -752,12 +756,12 @@ class KubernetesDriver(Driver):
         """None: listings show the IDs a request may name, and a pod names none."""
         return ()
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        self._check_options(spec.driver_config.get(self.name, {}))
-        return super().plan(spec)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        self._check_options(request.config)
+        return super().plan(request)
 
     def _check_options(self, block: Mapping[str, Any]) -> None:
-        prefix = f"driver_config.{self.name}"
+        prefix = block_field(self.name)
         for key in ("runtime_class_name", "image"):
             value = block.get(key)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -785,8 +789,8 @@ class KubernetesDriver(Driver):
         count = 0 if launch.plan is None else launch.plan.count
         if count:
             self._refuse_more_than_any_node(count)
-        block = launch.spec.driver_config.get(self.name, {})
-        image = block.get("image") or launch.spec.image or self.image or DEFAULT_IMAGE
+        block = launch.request.config
+        image = block.get("image") or launch.request.image or self.image or DEFAULT_IMAGE
         name = f"gpu-sandbox-{launch.sandbox_id}"
         manifest = pod_manifest(
             name=name,

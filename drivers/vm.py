@@ -88,7 +88,7 @@ from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker
 from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.simulated.pci_proxy import GpuFunction, GpuFunctionBusy
 from gpuhost.spawn import spawn, stop_process
-from gpuhost.spec import DEVICE_IDS_KEY, DriverCapabilities, GpuPlan, SandboxSpec
+from gpuhost.spec import DEVICE_IDS_KEY, DriverCapabilities, DriverRequest, GpuPlan
 from gpuhost.vfio import VfioBinder, VfioClaim, VfioError
 from gpuhost.wait import wait_for, wait_until
 
@@ -191,9 +191,9 @@ class VmDriver(Driver):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         return (gpu.pci_bus_id, str(gpu.index))
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         try:
-            return super().plan(spec)
+            return super().plan(request)
         except UnsupportedGpuRequest as exc:
             # The per-sandbox maximum, in the words users of VM drivers know.
             if exc.field == "resource_requirements.gpu.count" or exc.field.endswith(DEVICE_IDS_KEY):

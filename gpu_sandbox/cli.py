@@ -1,12 +1,15 @@
 """``gpu-sandbox``: try a GPU request on a driver by hand.
 
     gpu-sandbox run  [--driver D] [GPU flags] [--image I] [--env K=V]... [-- CMD...]
-    gpu-sandbox spec [--driver D] [GPU flags] [--json]
+    gpu-sandbox run  [--driver D] --request FILE|- [-- CMD...]
+    gpu-sandbox spec [--driver D] [GPU flags | --request FILE|-] [--json]
     gpu-sandbox gpus [--json | --node-annotation]
     gpu-sandbox reap SESSION [--driver D]...
 
-GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-device ID`` (repeatable),
-``--driver-config-json JSON|@FILE``; ``gpu_sandbox.flags`` maps them to the request spec.
+GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID``
+(repeatable), ``--driver-config-json JSON|@FILE``; ``gpu_sandbox.flags`` maps them to the
+request, in seed 003's shape. ``--request`` takes a whole request instead, as a gateway
+receives it; no flag that builds a request may stand beside it.
 Every command takes ``--sim-root DIR`` (a simulated GPU host) and ``--gpu-state-dir DIR``
 (where the host-wide lease registry lives), as the pytest plugin does.
 
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from gpu_sandbox.inventory import Inventory
     from gpuhost.errors import RequestError
     from gpuhost.host import GpuHost
-    from gpuhost.spec import GpuPlan, SandboxSpec
+    from gpuhost.spec import DriverRequest, GpuPlan
 
 PROG = "gpu-sandbox"
 DEFAULT_DRIVER = "reference"
@@ -51,12 +54,18 @@ through which a driver may wait for the command's output."""
 EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EPILOG = """\
-GPU flags (run, spec), and the request spec each one makes:
+GPU flags (run, spec), and the request each one makes (seed 003's shape):
   --gpu                    resource_requirements.gpu = {} (the default request)
   --gpu-count N            resource_requirements.gpu.count = N
-  --gpu-device ID          driver_config.<driver>.gpu_device_ids += [ID], and GPU intent;
-                           the count is the number of unique IDs unless --gpu-count is given
-  --driver-config-json B   driver_config.<driver> = B (JSON, or @FILE)
+  --gpu-sharing MODE       resource_requirements.gpu.sharing = MODE (exclusive, shared)
+  --gpu-device ID          template.driver_config.<driver>.gpu_device_ids += [ID], and GPU
+                           intent; the count is the number of unique IDs unless --gpu-count
+  --driver-config-json B   template.driver_config = B when B's keys are all driver names
+                           (the envelope), else template.driver_config.<driver> = B (JSON,
+                           or @FILE)
+  --image I, --env K=V     template.image, template.env
+  --request FILE|-         the whole request, as JSON (- for stdin); no flag above with it
+The driver is handed only its own block of template.driver_config; the others are ignored.
 
 exit status of run: the command's own; 2 bad flags or a refused request (nothing was
 created); 124 timeout; 125 no sandbox (the driver cannot run here, the GPUs are taken);
@@ -129,6 +138,12 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--gpu", action="store_true", help="the driver's default GPU request")
     group.add_argument("--gpu-count", type=int, metavar="N", help="N GPUs")
     group.add_argument(
+        "--gpu-sharing",
+        metavar="MODE",
+        help="exclusive (the default: no other sandbox on the GPU) or shared (co-held with "
+        "other shared sandboxes); GPU intent",
+    )
+    group.add_argument(
         "--gpu-device",
         action="append",
         default=[],
@@ -139,12 +154,19 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--driver-config-json",
         metavar="JSON|@FILE",
-        help="the active driver's block of driver_config, as JSON or from FILE; its IDs "
-        "need --gpu or --gpu-count, and cannot be given with --gpu-device too",
+        help="template.driver_config as JSON or from FILE: the envelope (keys are driver "
+        "names) or the active driver's block; IDs in it need --gpu or --gpu-count, and "
+        "cannot be given with --gpu-device too",
     )
     group.add_argument("--image", help="the image, for drivers that take one")
     group.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
+    )
+    group.add_argument(
+        "--request",
+        metavar="FILE|-",
+        help="the whole request as JSON, as a gateway receives it (- reads stdin); the flags "
+        "that build a request cannot be given beside it",
     )
 
     top = _Parser(
@@ -243,7 +265,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             return _run(driver, flags, args)
         except RequestError as exc:
-            raise _refused(exc, flags, driver.name) from None
+            raise _refused(exc, flags, driver) from None
         except (GpuAllocationError, SandboxStartError) as exc:
             raise CommandError(f"{type(exc).__name__}: {exc}", EXIT_NOT_CREATED) from None
         except ExecTimeout as exc:
@@ -257,11 +279,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run(driver: Driver, flags: GpuFlags, args: argparse.Namespace) -> int:
     """Check, create, run, close: the request model's rules before the driver is probed."""
-    from gpu_sandbox.flags import spec_from_flags
-    from gpuhost.spec import validate_gpu_request
+    from gpuhost.spec import parse_spec, select
+    from gpuhost.validation import validate_gpu_request
 
-    spec = spec_from_flags(flags, driver.name)
-    validate_gpu_request(spec, driver.name, driver.capabilities)
+    spec = parse_spec(_request(args, flags, driver))
+    validate_gpu_request(select(spec, driver.name), driver.capabilities)
     availability = driver.probe()
     if not availability.ok:
         raise CommandError(
@@ -320,25 +342,28 @@ def _signals_deferred() -> Iterator[None]:
 
 def spec_command(args: argparse.Namespace) -> int:
     from gpuhost.errors import RequestError
-    from gpuhost.spec import parse_spec, validate_gpu_request
+    from gpuhost.spec import parse_spec, select
+    from gpuhost.validation import validate_gpu_request
 
     flags = _flags(args)
     driver = _driver(args, f"{PROG}-spec")
-    report: dict[str, Any] = {"driver": args.driver, "spec": None, "valid": False}
+    report: dict[str, Any] = {"driver": args.driver, "spec": None, "received": None}
+    report["valid"] = False
     try:
-        report["spec"] = data = spec_dict(flags, driver.name)
-        spec = parse_spec(data)
-        plan = validate_gpu_request(spec, driver.name, driver.capabilities)
-        report.update(valid=True, plan=_plan_json(plan), **_resolved(spec, driver))
+        report["spec"] = data = _request(args, flags, driver)
+        request = select(parse_spec(data), driver.name)
+        report["received"] = request.to_dict()
+        plan = validate_gpu_request(request, driver.capabilities)
+        report.update(valid=True, plan=_plan_json(plan), **_resolved(request, driver))
     except RequestError as exc:
-        report["error"] = _error_json(exc, flags, driver.name)
+        report["error"] = _error_json(exc, flags, driver)
         _print_spec(report, args.json)
-        raise _refused(exc, flags, driver.name) from None
+        raise _refused(exc, flags, driver) from None
     _print_spec(report, args.json)
     return 0
 
 
-def _resolved(spec: SandboxSpec, driver: Driver) -> dict[str, Any]:
+def _resolved(request: DriverRequest, driver: Driver) -> dict[str, Any]:
     """The devices the request names on this host, from the driver's whole ``plan``.
 
     Exact IDs are resolved as the driver resolves them, which may need its engine: when it
@@ -347,7 +372,7 @@ def _resolved(spec: SandboxSpec, driver: Driver) -> dict[str, Any]:
     from gpuhost.errors import RequestError
 
     try:
-        plan = driver.plan(spec)
+        plan = driver.plan(request)
     except RequestError:
         raise
     except Exception as exc:  # an engine that does not answer, in any client's words
@@ -363,9 +388,12 @@ def _print_spec(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _print(json.dumps(report, indent=2))
         return
+    name = report["driver"]
     if report["spec"] is not None:
         _print(json.dumps(report["spec"], indent=2))
-    name = report["driver"]
+    if report["received"] is not None:
+        block = json.dumps(report["received"]["driver_config"])
+        _print(f"{name}: the gateway hands the driver its own block: {block}")
     if not report["valid"]:
         error = report["error"]
         _print(f"{name}: invalid: {error['type']} at {error['field']}: {error['message']}")
@@ -507,15 +535,43 @@ def _flags(args: argparse.Namespace) -> GpuFlags:
                 f"--driver-config-json={config}: cannot read {config[1:]}: {exc.strerror}",
                 EXIT_USAGE,
             ) from None
-    return GpuFlags(
+    flags = GpuFlags(
         gpu=args.gpu,
         gpu_count=args.gpu_count,
+        gpu_sharing=args.gpu_sharing,
         gpu_devices=tuple(args.gpu_device),
         driver_config_json=text,
         driver_config_arg=config,
         image=args.image,
         env=tuple(args.env),
     )
+    if args.request is not None and flags.given():
+        raise CommandError(
+            f"--request={args.request} is the whole request: {', '.join(flags.given())} "
+            "cannot be given beside it (put it in the request)",
+            EXIT_USAGE,
+        )
+    return flags
+
+
+def _request(args: argparse.Namespace, flags: GpuFlags, driver: Driver) -> Any:
+    """The request: ``--request``'s JSON, or what the flags make for ``driver``."""
+    if args.request is None:
+        return spec_dict(flags, driver.name, driver.capabilities.id_keys)
+    from gpuhost.errors import InvalidGpuRequest
+
+    source = "stdin" if args.request == "-" else args.request
+    try:
+        text = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise CommandError(f"--request={args.request}: cannot read {source}: {reason}", 2) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidGpuRequest(
+            "spec", text, f"the request in {source} is not valid JSON: {exc}"
+        ) from None
 
 
 def _driver(args: argparse.Namespace, session: str) -> Driver:
@@ -555,14 +611,18 @@ def _print(text: str) -> None:
     sys.stdout.write(f"{text}\n")
 
 
-def _refused(error: RequestError, flags: GpuFlags, driver: str) -> CommandError:
+def _refused(error: RequestError, flags: GpuFlags, driver: Driver) -> CommandError:
     """The one line of a refused request: the flag and its value, the message, the field."""
-    flag = flag_of(error, flags, driver)
+    flag = _flag_of(error, flags, driver)
     where = f"{type(error).__name__} at {error.field}"
     return CommandError(f"{flag + ': ' if flag else ''}{error} ({where})", EXIT_USAGE)
 
 
-def _error_json(error: RequestError, flags: GpuFlags, driver: str) -> dict[str, Any]:
+def _flag_of(error: RequestError, flags: GpuFlags, driver: Driver) -> str:
+    return flag_of(error, flags, driver.name, driver.capabilities.id_keys)
+
+
+def _error_json(error: RequestError, flags: GpuFlags, driver: Driver) -> dict[str, Any]:
     value = error.value
     return {
         "type": type(error).__name__,
@@ -571,5 +631,5 @@ def _error_json(error: RequestError, flags: GpuFlags, driver: str) -> dict[str, 
         if isinstance(value, str | int | float | bool | list | dict)
         else repr(value),
         "message": str(error),
-        "flag": flag_of(error, flags, driver) or None,
+        "flag": _flag_of(error, flags, driver) or None,
     }

@@ -1,32 +1,50 @@
-"""The command line's GPU flags as a request spec: one pure mapping.
+"""The command line's GPU flags as a request, in seed 003's shape: one pure mapping.
 
 - ``--gpu``: a GPU request with no count, the driver's default request (one free GPU);
 - ``--gpu-count N``: ``resource_requirements.gpu.count`` is N, as given: 0 or -1 is the
   request model's to refuse, with its own message;
+- ``--gpu-sharing MODE``: ``resource_requirements.gpu.sharing`` (``exclusive``, the default,
+  or ``shared``), and GPU intent: the per-request answer to seed 000's open question;
 - ``--gpu-device ID`` (repeatable): GPU intent; the IDs, as given and in order, go into
-  ``driver_config.<driver>.gpu_device_ids`` of the active driver, and without
+  ``template.driver_config.<driver>.gpu_device_ids`` of the active driver, and without
   ``--gpu-count`` the count is the number of *unique* IDs, so that a duplicate stays for
   the driver to refuse by name and a count that disagrees is the user's own;
-- ``--driver-config-json JSON``: the active driver's block, given directly, as
-  ``driver_config.<driver>``; it carries no GPU intent of its own (IDs in it need ``--gpu``
-  or ``--gpu-count``, as in a spec). With ``--gpu-device`` the IDs join the block; when the
-  block names IDs too (``gpu_device_ids`` or an alias), that is refused: give them once;
-- ``--image``, ``--env KEY=VALUE`` (repeatable, the last of a key wins): ``image``, ``env``.
+- ``--driver-config-json JSON``: either the envelope (an object whose keys are all driver
+  names: ``{"docker": {...}, "vm": {...}}``), which becomes ``template.driver_config`` as
+  it is, or the active driver's block directly, which becomes
+  ``template.driver_config.<driver>``. It carries no GPU intent of its own (IDs in it need
+  ``--gpu`` or ``--gpu-count``, as in a request). With ``--gpu-device`` the IDs join the
+  active block; when that block names IDs too (``gpu_device_ids`` or an alias), that is
+  refused: give them once;
+- ``--image``, ``--env KEY=VALUE`` (repeatable, the last of a key wins): ``template.image``,
+  ``template.env``.
 
-Nothing that the request model checks is checked here: the spec goes to the driver's own
-validation, and ``flag_of`` names the flag an error's field came from.
+Nothing that the request model checks is checked here: the request goes to the gateway and
+the driver's own validation, and ``flag_of`` names the flag an error's field came from.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from drivers import REGISTRY
 from gpuhost.errors import GpuCountMismatch, InvalidDriverConfig, InvalidGpuRequest, RequestError
-from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, SandboxSpec, parse_spec
+from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, SandboxSpec, block_field, parse_spec
+
+REQUEST_FLAGS = (
+    "--gpu",
+    "--gpu-count",
+    "--gpu-sharing",
+    "--gpu-device",
+    "--driver-config-json",
+    "--image",
+    "--env",
+)
+"""The flags that build a request, none of which may stand beside a whole one (--request)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +53,7 @@ class GpuFlags:
 
     gpu: bool = False
     gpu_count: int | None = None
+    gpu_sharing: str | None = None
     gpu_devices: tuple[str, ...] = ()
     driver_config_json: str | None = None
     """The text of ``--driver-config-json`` (a file's text, for ``@FILE``)."""
@@ -43,46 +62,74 @@ class GpuFlags:
     image: str | None = None
     env: tuple[str, ...] = ()
 
+    def given(self) -> list[str]:
+        """The request flags given, by name."""
+        values = [self.gpu, self.gpu_count, self.gpu_sharing, self.gpu_devices]
+        values += [self.driver_config_json, self.image, self.env]
+        return [
+            flag
+            for flag, value in zip(REQUEST_FLAGS, values, strict=True)
+            if value not in (None, False, ())
+        ]
 
-def spec_dict(flags: GpuFlags, driver: str) -> dict[str, Any]:
-    """The spec the flags make for ``driver`` (its ``name``), in the request model's shape.
 
-    Raises a typed error only where the flags cannot make a spec at all: the block is not
+def spec_dict(
+    flags: GpuFlags,
+    driver: str,
+    id_keys: Sequence[str] = (DEVICE_IDS_KEY,),
+    drivers: Collection[str] = tuple(REGISTRY),
+) -> dict[str, Any]:
+    """The request the flags make for ``driver`` (its ``name``), in seed 003's shape.
+
+    ``id_keys`` are the keys the driver's block names devices by (its capabilities'
+    ``id_keys``); ``drivers`` the names that make ``--driver-config-json`` an envelope.
+    Raises a typed error only where the flags cannot make a request at all: the JSON is not
     JSON, IDs come from both ``--gpu-device`` and the block, an ``--env`` is not KEY=VALUE.
     """
     spec: dict[str, Any] = {}
-    if flags.image is not None:
-        spec["image"] = flags.image
-    if flags.env:
-        spec["env"] = _env(flags.env)
-    if flags.gpu or flags.gpu_count is not None or flags.gpu_devices:
+    if flags.gpu or flags.gpu_count is not None or flags.gpu_sharing or flags.gpu_devices:
         gpu: dict[str, Any] = {}
         if flags.gpu_count is not None:
             gpu["count"] = flags.gpu_count
         elif flags.gpu_devices:
             gpu["count"] = len(set(flags.gpu_devices))
+        if flags.gpu_sharing is not None:
+            gpu["sharing"] = flags.gpu_sharing
         spec["resource_requirements"] = {"gpu": gpu}
-    block = _block(flags, driver)
-    if block is not None:
-        spec["driver_config"] = {driver: block}
+    template: dict[str, Any] = {}
+    if flags.image is not None:
+        template["image"] = flags.image
+    if flags.env:
+        template["env"] = _env(flags.env)
+    envelope = _envelope(flags, driver, id_keys, {*drivers, driver})
+    if envelope is not None:
+        template["driver_config"] = envelope
+    if template:
+        spec["template"] = template
     return spec
 
 
-def spec_from_flags(flags: GpuFlags, driver: str) -> SandboxSpec:
+def spec_from_flags(
+    flags: GpuFlags, driver: str, id_keys: Sequence[str] = (DEVICE_IDS_KEY,)
+) -> SandboxSpec:
     """``spec_dict``, parsed: the shape every driver shares is checked, not the GPU request."""
-    return parse_spec(spec_dict(flags, driver))
+    return parse_spec(spec_dict(flags, driver, id_keys))
 
 
-def flag_of(error: RequestError, flags: GpuFlags, driver: str) -> str:
+def flag_of(
+    error: RequestError, flags: GpuFlags, driver: str, id_keys: Sequence[str] = (DEVICE_IDS_KEY,)
+) -> str:
     """The flag (with its value, as given) that ``error``'s field came from; "" if none."""
     field = error.field
-    ids_fields = {f"driver_config.{driver}.{key}" for key in _id_keys(driver)}
+    ids_fields = {block_field(driver, key) for key in id_keys}
     devices = " ".join(_flag("--gpu-device", device) for device in flags.gpu_devices)
     config = _flag("--driver-config-json", flags.driver_config_arg or flags.driver_config_json)
     if field == "resource_requirements.gpu.count":
         if flags.gpu_count is not None:
             return _flag("--gpu-count", str(flags.gpu_count))
         return devices or "--gpu"
+    if field == "resource_requirements.gpu.sharing":
+        return _flag("--gpu-sharing", flags.gpu_sharing)
     if isinstance(error, GpuCountMismatch) and flags.gpu_count is not None:
         return f"{_flag('--gpu-count', str(flags.gpu_count))} {devices or config}"
     if field in ids_fields and flags.gpu_devices:
@@ -90,42 +137,54 @@ def flag_of(error: RequestError, flags: GpuFlags, driver: str) -> str:
         if named in flags.gpu_devices:
             return _flag("--gpu-device", named)
         return f"{devices} {config}" if flags.driver_config_json is not None else devices
-    if field.startswith("driver_config"):
+    if field.startswith(ENVELOPE):
         return config if flags.driver_config_json is not None else ""
-    if field == "image":
+    if field == "template.image":
         return _flag("--image", flags.image)
-    if field == "env":
+    if field == "template.env":
         return _flag("--env", error.value if isinstance(error.value, str) else None)
     return ""
 
 
-def _block(flags: GpuFlags, driver: str) -> Any:
-    """The active driver's block: the JSON's, with the ``--gpu-device`` IDs joined."""
-    block: Any = None
+def _envelope(
+    flags: GpuFlags, driver: str, id_keys: Sequence[str], drivers: Collection[str]
+) -> Any:
+    """``template.driver_config``: the JSON's envelope or block, with the IDs joined."""
+    value: Any = None
     if flags.driver_config_json is not None:
         try:
-            block = json.loads(flags.driver_config_json)
+            value = json.loads(flags.driver_config_json)
         except json.JSONDecodeError as exc:
             raise InvalidDriverConfig(
-                f"driver_config.{driver}",
+                block_field(driver),
                 flags.driver_config_json,
-                f"driver_config.{driver} is not valid JSON: {exc}",
+                f"--driver-config-json is not valid JSON: {exc}",
             ) from None
-    if not flags.gpu_devices:
-        return block
-    if block is None:
-        return {DEVICE_IDS_KEY: list(flags.gpu_devices)}
-    if not isinstance(block, dict):
-        return block  # the request model refuses it as it is: a block must be an object
-    for key in _id_keys(driver):
-        if key in block:
-            raise InvalidDriverConfig(
-                f"driver_config.{driver}.{key}",
-                block[key],
-                f"device IDs come from both --gpu-device ({list(flags.gpu_devices)!r}) and "
-                f"driver_config.{driver}.{key} ({block[key]!r}): give them once",
-            )
-    return {**block, DEVICE_IDS_KEY: list(flags.gpu_devices)}
+    if _is_envelope(value, drivers):
+        envelope = dict(value)
+    elif value is None:
+        envelope = {}
+    else:
+        envelope = {driver: value}
+    if flags.gpu_devices:
+        block = envelope.get(driver, {})
+        if not isinstance(block, dict):
+            return envelope  # the request model refuses it as it is: a block is an object
+        for key in id_keys:
+            if key in block:
+                raise InvalidDriverConfig(
+                    block_field(driver, key),
+                    block[key],
+                    f"device IDs come from both --gpu-device ({list(flags.gpu_devices)!r}) and "
+                    f"{block_field(driver, key)} ({block[key]!r}): give them once",
+                )
+        envelope[driver] = {**block, DEVICE_IDS_KEY: list(flags.gpu_devices)}
+    return envelope or None
+
+
+def _is_envelope(value: Any, drivers: Collection[str]) -> bool:
+    """An object whose keys are all driver names is the envelope, not one driver's block."""
+    return isinstance(value, dict) and bool(value) and all(key in drivers for key in value)
 
 
 def _env(pairs: Sequence[str]) -> dict[str, str]:
@@ -133,13 +192,11 @@ def _env(pairs: Sequence[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise InvalidGpuRequest("env", pair, f"env entries are KEY=VALUE, got {pair!r}")
+            raise InvalidGpuRequest(
+                "template.env", pair, f"env entries are KEY=VALUE, got {pair!r}"
+            )
         env[key] = value
     return env
-
-
-def _id_keys(driver: str) -> tuple[str, ...]:
-    return (DEVICE_IDS_KEY, *DEVICE_IDS_ALIASES.get(driver, ()))
 
 
 def _flag(flag: str, value: str | None) -> str:

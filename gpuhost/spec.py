@@ -1,15 +1,20 @@
 """The request model: a frozen ``SandboxSpec`` parsed strictly from the user's dict or JSON.
 
+The request has the shape of seed 003, the shape OpenShell's gateway receives::
+
+    {"resource_requirements": {"gpu": {"count": 1, "sharing": "exclusive"}},
+     "template": {"image": "...", "env": {...},
+                  "driver_config": {"docker": {"gpu_device_ids": ["nvidia.com/gpu=0"]},
+                                    "vm": {"gpu_device_ids": ["0000:2d:00.0"]}}}}
+
 Portable intent lives in ``resource_requirements.gpu`` (absent: no GPU; present with no
-count: the default request of one GPU; ``count: N``: N GPUs). Exact device choice is
-driver-native and lives in ``driver_config.<driver>.gpu_device_ids``, of which only the
-active driver's block is read.
+count: the default request of one GPU; ``count: N``: N GPUs). What the sandbox is made from
+lives in ``template``: its image, its environment, and the driver-keyed envelope
+``driver_config`` whose blocks are driver-native (exact devices: ``gpu_device_ids``).
 
-Validation runs in two steps, both before anything is allocated:
-
-1. ``parse_spec`` checks the shape every driver shares (types, known keys, the count).
-2. ``validate_gpu_request`` checks the active driver's block against its capabilities, in
-   the order upstream drivers use: malformed block, count, capability, ID consistency.
+The gateway (``select``) hands a driver only its own block, as a ``DriverRequest``; the
+other blocks are not the driver's business and are never read. ``gpuhost.validation`` then
+judges that block and the GPU request against the driver's capabilities.
 
 ``SandboxSpec`` is the request as given; ``GpuPlan`` is the request once validated.
 """
@@ -23,16 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import (
-    DuplicateGpuDevice,
-    GpuCountMismatch,
-    GpuDevicesWithoutRequest,
-    InvalidDriverConfig,
-    InvalidGpuCount,
-    InvalidGpuRequest,
-    InvalidGpuSharing,
-    UnsupportedGpuRequest,
-)
+from gpuhost.errors import InvalidDriverConfig, InvalidGpuRequest
 
 DEFAULT_GPU_COUNT = 1
 EXCLUSIVE, SHARED = "exclusive", "shared"
@@ -41,25 +37,30 @@ VENDORS = ("nvidia", "amd", "intel")
 DEVICE_IDS_KEY = "gpu_device_ids"
 MIG_PROFILE_KEY = "mig_profile"
 VENDOR_KEY = "vendor"
-# Upstream renamed the docker/podman key; both spellings are accepted there.
-DEVICE_IDS_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"docker": ("cdi_devices",), "podman": ("cdi_devices",)}
-)
 CHOICE_KEYS = (MIG_PROFILE_KEY, VENDOR_KEY)
 """Keys of a driver's block that pick what counts and defaults choose among."""
-DRIVER_OPTION_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"kubernetes": ("runtime_class_name", "node_selector", "image")}
-)
-"""Keys of a driver's own block that only that driver reads (and checks)."""
-_SPEC_KEYS = frozenset({"image", "env", "resource_requirements", "driver_config"})
+ENVELOPE = "template.driver_config"
+"""Where the driver-keyed envelope lives in a request."""
+_SPEC_KEYS = frozenset({"resource_requirements", "template"})
+_TEMPLATE_KEYS = frozenset({"image", "env", "driver_config"})
+_MOVED_INTO_TEMPLATE = ("driver_config", "image", "env")
+"""Top-level keys of the shape before seed 003, refused with where they went."""
+_GPU_KEYS = frozenset({"count", "sharing"})
+_SUPERSEDED_GPU_KEYS = ("device_ids", "device_id", "gpu_device_ids")
+"""Seed 001's exact IDs in the portable request: they went to the driver's block."""
+
+
+def block_field(driver: str, key: str | None = None) -> str:
+    """The request's field for ``driver``'s block, or for ``key`` in it."""
+    return f"{ENVELOPE}.{driver}" + ("" if key is None else f".{key}")
 
 
 @dataclass(frozen=True)
 class GpuRequest:
     """``resource_requirements.gpu`` as given: ``count=None`` is the default request.
 
-    The count is kept as the user wrote it; ``validate_gpu_request`` checks it in its turn
-    (after the active driver's block), so errors come in the documented order.
+    The count is kept as the user wrote it; validation checks it in its turn (after the
+    active driver's block), so errors come in the documented order.
     """
 
     count: Any = None
@@ -70,7 +71,11 @@ class GpuRequest:
 
 @dataclass(frozen=True)
 class SandboxSpec:
-    """What a user asks a driver for; immutable once parsed."""
+    """What a user asks for, as the gateway receives it; immutable once parsed.
+
+    ``driver_config`` is the whole envelope of ``template.driver_config``, one block per
+    driver; ``image`` and ``env`` are the template's.
+    """
 
     image: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -100,18 +105,67 @@ class SandboxSpec:
         return cls(image=image, gpu=GpuRequest(count, sharing), driver_config=_freeze(config))
 
     def to_dict(self) -> dict[str, Any]:
-        """The user-facing shape that ``parse_spec`` reads back into an equal spec."""
-        data: dict[str, Any] = {"env": dict(self.env)}
+        """The request in seed 003's shape, which ``parse_spec`` reads back into an equal spec."""
+        data: dict[str, Any] = {}
+        if self.gpu is not None:
+            data["resource_requirements"] = {"gpu": _gpu_dict(self.gpu)}
+        template: dict[str, Any] = {}
+        if self.image is not None:
+            template["image"] = self.image
+        if self.env:
+            template["env"] = dict(self.env)
+        if self.driver_config:
+            template["driver_config"] = thawed(self.driver_config)
+        if template:
+            data["template"] = template
+        return data
+
+
+@dataclass(frozen=True)
+class DriverRequest:
+    """What the gateway hands one driver: the portable request and the driver's own block.
+
+    ``config`` is the inner object of ``template.driver_config.<driver>`` (empty when the
+    request has none); no other driver's block reaches the driver.
+    """
+
+    driver: str
+    gpu: GpuRequest | None = None
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def field(self, key: str | None = None) -> str:
+        """The request's field for this driver's block, or for ``key`` in it."""
+        return block_field(self.driver, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the driver receives, in the request's shape with the block in place."""
+        data: dict[str, Any] = {}
+        if self.gpu is not None:
+            data["resource_requirements"] = {"gpu": _gpu_dict(self.gpu)}
         if self.image is not None:
             data["image"] = self.image
-        if self.gpu is not None:
-            gpu = {} if self.gpu.count is None else {"count": self.gpu.count}
-            if self.gpu.sharing is not None:
-                gpu["sharing"] = self.gpu.sharing
-            data["resource_requirements"] = {"gpu": gpu}
-        if self.driver_config:
-            data["driver_config"] = _thawed(self.driver_config)
+        if self.env:
+            data["env"] = dict(self.env)
+        data["driver_config"] = thawed(self.config)
         return data
+
+
+def select(spec: SandboxSpec, driver: str) -> DriverRequest:
+    """The gateway: pick ``driver``'s block of the envelope and hand on only that.
+
+    Blocks for other drivers are dropped unread, as seed 003's gateway does: a request that
+    names exact devices only for docker is, for the kubernetes driver, a plain request of
+    its count. The block is not interpreted here; the driver judges it.
+    """
+    return DriverRequest(
+        driver=driver,
+        gpu=spec.gpu,
+        image=spec.image,
+        env=spec.env,
+        config=spec.driver_config.get(driver, MappingProxyType({})),
+    )
 
 
 @dataclass(frozen=True)
@@ -126,9 +180,20 @@ class DriverCapabilities:
     shared: bool = False
     """It can serve ``sharing: shared`` requests (co-held GPUs, time-sliced)."""
     mig_profiles: bool = False
-    """It can serve ``driver_config.<driver>.mig_profile`` (counts of MIG instances)."""
+    """It can serve ``template.driver_config.<driver>.mig_profile`` (counts of MIG instances)."""
     vendors: tuple[str, ...] = ("nvidia",)
     """The GPU vendors it can inject."""
+    device_id_aliases: tuple[str, ...] = ()
+    """Other names its block takes for ``gpu_device_ids`` (docker and podman: upstream's
+    ``cdi_devices``); giving both is refused."""
+    config_keys: tuple[str, ...] = ()
+    """Keys of its own block that it reads, and checks itself, beside ``gpu_device_ids``,
+    ``mig_profile`` and ``vendor``; any other key is refused as unknown."""
+
+    @property
+    def id_keys(self) -> tuple[str, ...]:
+        """Every key its block names exact devices by."""
+        return (DEVICE_IDS_KEY, *self.device_id_aliases)
 
 
 @dataclass(frozen=True)
@@ -150,129 +215,71 @@ class GpuPlan:
 
 
 def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
-    """Parse the user-facing dict (or its JSON text) into a ``SandboxSpec``."""
+    """Parse the request (a dict, or its JSON text) into a ``SandboxSpec``.
+
+    Only the shape every driver shares is checked here; a driver's block is its own to judge.
+    """
     if isinstance(data, str):
         try:
             data = json.loads(data)
         except json.JSONDecodeError as exc:
             raise InvalidGpuRequest("spec", data, f"spec is not valid JSON: {exc}") from None
     if not isinstance(data, Mapping):
-        raise InvalidGpuRequest(
-            "spec", data, f"spec must be an object, got {_kind(data)}: {data!r}"
-        )
+        raise InvalidGpuRequest("spec", data, f"spec must be an object, got {kind(data)}: {data!r}")
+    for key in _MOVED_INTO_TEMPLATE:
+        if key in data:
+            error = InvalidDriverConfig if key == "driver_config" else InvalidGpuRequest
+            raise error(
+                key,
+                thawed(data[key]),
+                f"spec has {key} at the top level ({thawed(data[key])!r}); it moved to "
+                f"template.{key}, as in seed 003's request",
+            )
     _reject_unknown_keys("spec", data, _SPEC_KEYS, InvalidGpuRequest)
+    template = data.get("template", {})
+    if not isinstance(template, Mapping):
+        raise InvalidGpuRequest(
+            "template", template, f"template must be an object, got {kind(template)}: {template!r}"
+        )
+    _reject_unknown_keys("template", template, _TEMPLATE_KEYS, InvalidGpuRequest)
 
-    image = data.get("image")
+    image = template.get("image")
     if image is not None and (not isinstance(image, str) or not image.strip()):
-        raise InvalidGpuRequest("image", image, f"image must be a non-empty string, got {image!r}")
-    env = data.get("env", {})
+        raise InvalidGpuRequest(
+            "template.image", image, f"template.image must be a non-empty string, got {image!r}"
+        )
+    env = template.get("env", {})
     if not isinstance(env, Mapping) or not all(
         isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
     ):
         raise InvalidGpuRequest(
-            "env", env, f"env must map variable names (no '=') to strings, got {env!r}"
+            "template.env",
+            env,
+            f"template.env must map variable names (no '=') to strings, got {env!r}",
         )
 
     return SandboxSpec(
         image=image,
         env=MappingProxyType(dict(env)),
-        driver_config=_parse_driver_config(data.get("driver_config", {})),
+        driver_config=parse_envelope(template.get("driver_config", {})),
         gpu=_parse_gpu(data.get("resource_requirements")),
     )
 
 
-def parse_driver_config_json(text: str) -> Mapping[str, Mapping[str, Any]]:
-    """Parse ``--driver-config-json``: the driver-keyed envelope alone."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+def parse_envelope(config: object) -> Mapping[str, Mapping[str, Any]]:
+    """``template.driver_config``: an object of driver names to objects, frozen."""
+    if not isinstance(config, Mapping):
         raise InvalidDriverConfig(
-            "driver_config", text, f"driver_config is not valid JSON: {exc}"
-        ) from None
-    return _parse_driver_config(value)
-
-
-def validate_gpu_request(
-    spec: SandboxSpec, driver: str, caps: DriverCapabilities
-) -> GpuPlan | None:
-    """Check the active driver's block and the GPU request; ``None`` means no GPU asked for.
-
-    Other drivers' blocks are not read, but a spec that names exact devices only for other
-    drivers is refused: those devices would otherwise be dropped silently.
-    """
-    ids_field, device_ids = _active_device_ids(spec, driver)
-    profile, vendor = _active_choice(spec, driver, device_ids)
-    count = None if spec.gpu is None else _checked_count(spec.gpu.count)
-    sharing = EXCLUSIVE if spec.gpu is None else _checked_sharing(spec.gpu.sharing)
-
-    if count is not None and count > caps.max_gpus_per_sandbox:
-        raise UnsupportedGpuRequest(
-            "resource_requirements.gpu.count",
-            count,
-            f"gpu count ({count}) exceeds the {driver} driver's maximum of "
-            f"{caps.max_gpus_per_sandbox} GPUs per sandbox",
+            ENVELOPE, config, f"{ENVELOPE} must be an object, got {kind(config)}: {config!r}"
         )
-    if device_ids and not caps.exact_ids:
-        raise UnsupportedGpuRequest(
-            ids_field,
-            list(device_ids),
-            f"the {driver} driver does not support exact GPU device IDs; "
-            f"{ids_field} = {list(device_ids)!r}: request a count instead",
-        )
-    if device_ids and len(device_ids) > caps.max_gpus_per_sandbox:
-        raise UnsupportedGpuRequest(
-            ids_field,
-            list(device_ids),
-            f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
-            f"{caps.max_gpus_per_sandbox} per sandbox",
-        )
-    if sharing == SHARED and not caps.shared:
-        raise UnsupportedGpuRequest(
-            "resource_requirements.gpu.sharing",
-            sharing,
-            f"the {driver} driver does not share GPUs; resource_requirements.gpu.sharing = "
-            f"{sharing!r}: ask for an exclusive GPU",
-        )
-    prefix = f"driver_config.{driver}"
-    if profile is not None and not caps.mig_profiles:
-        raise UnsupportedGpuRequest(
-            f"{prefix}.{MIG_PROFILE_KEY}",
-            profile,
-            f"the {driver} driver does not hand out MIG instances by profile; "
-            f"{prefix}.{MIG_PROFILE_KEY} = {profile!r}",
-        )
-    if vendor is not None and vendor not in caps.vendors:
-        raise UnsupportedGpuRequest(
-            f"{prefix}.{VENDOR_KEY}",
-            vendor,
-            f"the {driver} driver injects {', '.join(caps.vendors)} GPUs, not {vendor!r} "
-            f"({prefix}.{VENDOR_KEY})",
-        )
-    if device_ids is None:
-        if count is None:
-            return None
-        return GpuPlan(count=count, sharing=sharing, mig_profile=profile, vendor=vendor)
-    if spec.gpu is None:
-        raise GpuDevicesWithoutRequest(
-            ids_field,
-            list(device_ids),
-            f"{ids_field} requires a gpu request (got {list(device_ids)!r} "
-            "without resource_requirements.gpu)",
-        )
-    seen: set[str] = set()
-    for device_id in device_ids:
-        if device_id in seen:
-            raise DuplicateGpuDevice(
-                ids_field, device_id, f"{ids_field} contains duplicate device ID '{device_id}'"
+    for driver, block in config.items():
+        if not isinstance(block, Mapping):
+            raise InvalidDriverConfig(
+                block_field(driver),
+                block,
+                f"{block_field(driver)} must be an object, got {kind(block)}: {block!r}",
             )
-        seen.add(device_id)
-    if spec.gpu.count is not None and count != len(device_ids):
-        raise GpuCountMismatch(
-            ids_field,
-            list(device_ids),
-            f"gpu count ({count}) must match {ids_field} length ({len(device_ids)})",
-        )
-    return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field, sharing=sharing)
+    return _freeze(config)
 
 
 def _parse_gpu(requirements: object) -> GpuRequest | None:
@@ -282,169 +289,33 @@ def _parse_gpu(requirements: object) -> GpuRequest | None:
         raise InvalidGpuRequest(
             "resource_requirements",
             requirements,
-            f"resource_requirements must be an object, got {_kind(requirements)}: {requirements!r}",
+            f"resource_requirements must be an object, got {kind(requirements)}: {requirements!r}",
         )
     _reject_unknown_keys("resource_requirements", requirements, {"gpu"}, InvalidGpuRequest)
     if "gpu" not in requirements or requirements["gpu"] is None:
         return None
     gpu = requirements["gpu"]
+    where = "resource_requirements.gpu"
     if not isinstance(gpu, Mapping):
-        raise InvalidGpuRequest(
-            "resource_requirements.gpu",
-            gpu,
-            f"resource_requirements.gpu must be an object, got {_kind(gpu)}: {gpu!r}",
-        )
-    _reject_unknown_keys("resource_requirements.gpu", gpu, {"count", "sharing"}, InvalidGpuRequest)
+        raise InvalidGpuRequest(where, gpu, f"{where} must be an object, got {kind(gpu)}: {gpu!r}")
+    for key in _SUPERSEDED_GPU_KEYS:
+        if key in gpu:
+            raise InvalidGpuRequest(
+                f"{where}.{key}",
+                thawed(gpu[key]),
+                f"{where}.{key} ({thawed(gpu[key])!r}) was replaced by "
+                f"{block_field('<driver>', DEVICE_IDS_KEY)}: exact devices are driver-native, "
+                f"in the block of the driver they are for",
+            )
+    _reject_unknown_keys(where, gpu, _GPU_KEYS, InvalidGpuRequest)
     return GpuRequest(gpu.get("count"), gpu.get("sharing"))
 
 
-def _checked_count(count: Any) -> int:
-    if count is None:
-        return DEFAULT_GPU_COUNT
-    # bool is an int subclass; `true` is not a count.
-    if not isinstance(count, int) or isinstance(count, bool):
-        raise InvalidGpuCount(
-            "resource_requirements.gpu.count",
-            count,
-            f"gpu count must be an integer, got {count!r} ({_kind(count)})",
-        )
-    if count <= 0:
-        raise InvalidGpuCount(
-            "resource_requirements.gpu.count",
-            count,
-            f"gpu count must be greater than 0, got {count}",
-        )
-    return count
-
-
-def _checked_sharing(sharing: Any) -> str:
-    if sharing is None:
-        return EXCLUSIVE
-    if sharing not in SHARING_MODES:
-        raise InvalidGpuSharing(
-            "resource_requirements.gpu.sharing",
-            sharing,
-            f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}",
-        )
-    return str(sharing)
-
-
-def _active_choice(
-    spec: SandboxSpec, driver: str, device_ids: tuple[str, ...] | None
-) -> tuple[str | None, str | None]:
-    """The active block's MIG profile and vendor, which pick what counts choose among."""
-    prefix = f"driver_config.{driver}"
-    block = spec.driver_config.get(driver, {})
-    chosen = {}
-    for key in (MIG_PROFILE_KEY, VENDOR_KEY):
-        value = _thawed(block.get(key))
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value.strip():
-            raise InvalidDriverConfig(
-                f"{prefix}.{key}",
-                value,
-                f"{prefix}.{key} must be a non-empty string, got {value!r}",
-            )
-        chosen[key] = value
-    vendor = chosen.get(VENDOR_KEY)
-    if vendor is not None and vendor not in VENDORS:
-        raise InvalidDriverConfig(
-            f"{prefix}.{VENDOR_KEY}",
-            vendor,
-            f"{prefix}.{VENDOR_KEY} must be one of {', '.join(VENDORS)}, got {vendor!r}",
-        )
-    if chosen and device_ids is not None:
-        key = next(iter(chosen))
-        raise InvalidDriverConfig(
-            f"{prefix}.{key}",
-            chosen[key],
-            f"{prefix} names exact devices and a {key} ({chosen[key]!r}): the devices decide, "
-            f"give one or the other",
-        )
-    if MIG_PROFILE_KEY in chosen and VENDOR_KEY in chosen and vendor != "nvidia":
-        raise InvalidDriverConfig(
-            f"{prefix}.{VENDOR_KEY}",
-            vendor,
-            f"{prefix}.{MIG_PROFILE_KEY} is NVIDIA's; {prefix}.{VENDOR_KEY} is {vendor!r}",
-        )
-    return chosen.get(MIG_PROFILE_KEY), vendor
-
-
-def _parse_driver_config(config: object) -> Mapping[str, Mapping[str, Any]]:
-    if not isinstance(config, Mapping):
-        raise InvalidDriverConfig(
-            "driver_config",
-            config,
-            f"driver_config must be an object, got {_kind(config)}: {config!r}",
-        )
-    for driver, block in config.items():
-        if not isinstance(block, Mapping):
-            raise InvalidDriverConfig(
-                f"driver_config.{driver}",
-                block,
-                f"driver_config.{driver} must be an object, got {_kind(block)}: {block!r}",
-            )
-    return _freeze(config)
-
-
-def _active_device_ids(spec: SandboxSpec, driver: str) -> tuple[str, tuple[str, ...] | None]:
-    """The active block's device IDs and the field name they came from."""
-    prefix = f"driver_config.{driver}"
-    block = spec.driver_config.get(driver, {})
-    keys = _id_keys(driver)
-    _reject_unknown_keys(
-        prefix,
-        block,
-        {*keys, *CHOICE_KEYS, *DRIVER_OPTION_KEYS.get(driver, ())},
-        InvalidDriverConfig,
-    )
-    present = [key for key in keys if key in block]
-    if len(present) > 1:
-        raise InvalidDriverConfig(
-            prefix,
-            _thawed(block),
-            f"{prefix} gives both {' and '.join(present)}; they are aliases, use one",
-        )
-    if not present:
-        others = sorted(
-            name
-            for name, other in spec.driver_config.items()
-            if name != driver and any(key in other for key in _id_keys(name))
-        )
-        if others:
-            raise InvalidDriverConfig(
-                "driver_config",
-                _thawed(spec.driver_config),
-                f"driver_config names exact GPUs only for {', '.join(others)}, not for the "
-                f"active driver {driver!r}; add {prefix}.{DEVICE_IDS_KEY} or drop the others",
-            )
-        return f"{prefix}.{DEVICE_IDS_KEY}", None
-    ids_field = f"{prefix}.{present[0]}"
-    # Parsed specs hold read-only copies; errors show the value as the user wrote it.
-    value = _thawed(block[present[0]])
-    if not isinstance(value, list):
-        raise InvalidDriverConfig(
-            ids_field,
-            value,
-            f"{ids_field} must be a list of strings, got {_kind(value)}: {value!r}",
-        )
-    if not value:
-        raise InvalidDriverConfig(ids_field, value, f"{ids_field} must not be empty, got []")
-    for entry in value:
-        if not isinstance(entry, str):
-            raise InvalidDriverConfig(
-                ids_field, entry, f"{ids_field} entries must be strings, got {entry!r}"
-            )
-        if not entry.strip():
-            raise InvalidDriverConfig(
-                ids_field, entry, f"{ids_field} contains a blank device ID {entry!r}"
-            )
-    return ids_field, tuple(value)
-
-
-def _id_keys(driver: str) -> tuple[str, ...]:
-    return (DEVICE_IDS_KEY, *DEVICE_IDS_ALIASES.get(driver, ()))
+def _gpu_dict(gpu: GpuRequest) -> dict[str, Any]:
+    data: dict[str, Any] = {} if gpu.count is None else {"count": gpu.count}
+    if gpu.sharing is not None:
+        data["sharing"] = gpu.sharing
+    return data
 
 
 def _reject_unknown_keys(
@@ -457,8 +328,9 @@ def _reject_unknown_keys(
         if key not in known:
             raise error(
                 f"{where}.{key}",
-                mapping[key],
-                f"{where} has an unknown key {key!r} (known: {', '.join(sorted(known))})",
+                thawed(mapping[key]),
+                f"{where} has an unknown key {key!r} = {thawed(mapping[key])!r} "
+                f"(known: {', '.join(sorted(known))})",
             )
 
 
@@ -476,16 +348,17 @@ def _deep_freeze(value: Any) -> Any:
     return value
 
 
-def _thawed(value: Any) -> Any:
-    """The plain dicts and lists a frozen value was made from, for error messages."""
+def thawed(value: Any) -> Any:
+    """The plain dicts and lists a frozen value was made from, for messages and JSON."""
     if isinstance(value, Mapping):
-        return {k: _thawed(v) for k, v in value.items()}
+        return {k: thawed(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return [_thawed(item) for item in value]
+        return [thawed(item) for item in value]
     return value
 
 
-def _kind(value: object) -> str:
+def kind(value: object) -> str:
+    """A JSON value's kind in words, for messages."""
     return {
         dict: "an object",
         list: "a list",

@@ -27,7 +27,7 @@ from gpuhost import cdi
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, register_liveness
-from gpuhost.spec import DEVICE_IDS_ALIASES, DEVICE_IDS_KEY, GpuPlan, SandboxSpec
+from gpuhost.spec import DEVICE_IDS_KEY, DriverRequest, GpuPlan
 
 
 class BrokenContainerDriver(ContainerDriver):
@@ -151,13 +151,13 @@ class AliasesFirstWins(BrokenContainerDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name) or {}
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config
         if DEVICE_IDS_KEY in block:
-            kept = {k: v for k, v in block.items() if k not in DEVICE_IDS_ALIASES[self.name]}
-            config = {**spec.driver_config, self.name: kept}
-            spec = dataclasses.replace(spec, driver_config=config)
-        return super().plan(spec)
+            aliases = self.capabilities.device_id_aliases
+            kept = {k: v for k, v in block.items() if k not in aliases}
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class LivenessRunningOnly(BrokenContainerDriver):

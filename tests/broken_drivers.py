@@ -52,17 +52,17 @@ from gpuhost.leases import (
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process
 from gpuhost.spec import (
     CHOICE_KEYS,
-    DEVICE_IDS_ALIASES,
     DEVICE_IDS_KEY,
-    DRIVER_OPTION_KEYS,
     MIG_PROFILE_KEY,
     SHARED,
     VENDOR_KEY,
     VENDORS,
     DriverCapabilities,
+    DriverRequest,
     GpuPlan,
     GpuRequest,
     SandboxSpec,
+    select,
 )
 from gpuhost.wait import wait_for
 
@@ -91,8 +91,8 @@ class GpuWithoutRequest(BrokenDriver):
 
     BREAKS = "GPU-NONE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        return super().plan(spec) or GpuPlan(count=1)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        return super().plan(request) or GpuPlan(count=1)
 
 
 class AllGpusOnDefault(BrokenDriver):
@@ -100,9 +100,9 @@ class AllGpusOnDefault(BrokenDriver):
 
     BREAKS = "GPU-DEFAULT-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().plan(spec)
-        if plan is not None and spec.gpu is not None and spec.gpu.count is None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        plan = super().plan(request)
+        if plan is not None and request.gpu is not None and request.gpu.count is None:
             return GpuPlan(count=len(self.inventory()))
         return plan
 
@@ -125,8 +125,8 @@ class CountIgnored(BrokenDriver):
 
     BREAKS = "GPU-COUNT-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().plan(spec)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        plan = super().plan(request)
         return plan if plan is None or plan.device_ids else GpuPlan(count=1)
 
 
@@ -156,11 +156,11 @@ class LaxDriverConfig(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         try:
-            return super().plan(spec)
+            return super().plan(request)
         except InvalidDriverConfig:
-            return super().plan(dataclasses.replace(spec, driver_config={}))
+            return super().plan(dataclasses.replace(request, config={}))
 
 
 class LaxCount(BrokenDriver):
@@ -168,9 +168,9 @@ class LaxCount(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         try:
-            return super().plan(spec)
+            return super().plan(request)
         except InvalidGpuCount:
             return GpuPlan(count=1)
 
@@ -185,7 +185,7 @@ class LeakOnInvalidRequest(BrokenDriver):
         owner = LeaseOwner(self.name, early, self.session_id, Holder.process(os.getpid()))
         with contextlib.suppress(GpusExhausted):
             self.host.leases.acquire(self.inventory(), owner, count=1)
-        self.plan(spec)
+        self.plan(select(spec, self.name))
         self.host.leases.release(early)
         return super().create(spec)
 
@@ -195,11 +195,11 @@ class DuplicatesAccepted(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-03"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         try:
-            return super().plan(spec)
+            return super().plan(request)
         except DuplicateGpuDevice as exc:
-            ids = tuple(dict.fromkeys(spec.driver_config[self.name]["gpu_device_ids"]))
+            ids = tuple(dict.fromkeys(request.config["gpu_device_ids"]))
             return GpuPlan(count=len(ids), device_ids=ids, field=exc.field)
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
@@ -232,8 +232,8 @@ class ClampsOversizedCount(BrokenDriver):
     def capabilities(self) -> DriverCapabilities:
         return dataclasses.replace(super().capabilities, max_gpus_per_sandbox=10**9)
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        plan = super().plan(spec)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        plan = super().plan(request)
         if plan is not None and plan.count > len(self.inventory()):
             return dataclasses.replace(plan, count=len(self.inventory()))
         return plan
@@ -509,11 +509,11 @@ class ReadsDockerBlock(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def create(self, spec: SandboxSpec) -> Sandbox:
         config = dict(spec.driver_config)
         if self.name not in config and "docker" in config:
             config[self.name] = config.pop("docker")
-        return super().plan(dataclasses.replace(spec, driver_config=config))
+        return super().create(dataclasses.replace(spec, driver_config=config))
 
 
 class PrefersFirstBlock(BrokenDriver):
@@ -521,11 +521,11 @@ class PrefersFirstBlock(BrokenDriver):
 
     BREAKS = "GPU-EXACT-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def create(self, spec: SandboxSpec) -> Sandbox:
         if len(spec.driver_config) > 1:
             first = next(iter(spec.driver_config.values()))
             spec = dataclasses.replace(spec, driver_config={self.name: first})
-        return super().plan(spec)
+        return super().create(spec)
 
 
 _CREATED_HERE: set[str] = set()
@@ -683,10 +683,12 @@ class IgnoresSharing(BrokenDriver):
     def capabilities(self) -> DriverCapabilities:
         return dataclasses.replace(super().capabilities, shared=False)
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        if spec.gpu is not None:
-            spec = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, sharing=None))
-        return super().plan(spec)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        if request.gpu is not None:
+            request = dataclasses.replace(
+                request, gpu=dataclasses.replace(request.gpu, sharing=None)
+            )
+        return super().plan(request)
 
 
 class SharedBeyondLimit(BrokenDriver):
@@ -941,30 +943,18 @@ class ExhaustedCountsDefaultPool(BrokenDriver):
             raise GpusExhausted(plan.count, len(free), len(inventory)) from None
 
 
-class MissesAliasInOtherBlock(BrokenDriver):
-    """Knows another driver's block names devices by gpu_device_ids only, not by its alias."""
-
-    BREAKS = "GPU-VALIDATE-01"
-
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        config = {
-            name: block
-            for name, block in spec.driver_config.items()
-            if name == self.name or DEVICE_IDS_KEY in block
-        }
-        return super().plan(dataclasses.replace(spec, driver_config=config))
-
-
 class CoercesCount(BrokenDriver):
     """Takes a count of "2" for 2 instead of refusing it with InvalidGpuCount."""
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        gpu = spec.gpu
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        gpu = request.gpu
         if gpu is not None and isinstance(gpu.count, str) and gpu.count.isdigit():
-            spec = dataclasses.replace(spec, gpu=dataclasses.replace(gpu, count=int(gpu.count)))
-        return super().plan(spec)
+            request = dataclasses.replace(
+                request, gpu=dataclasses.replace(gpu, count=int(gpu.count))
+            )
+        return super().plan(request)
 
 
 class IndexBoundOffByOne(BrokenDriver):
@@ -1011,11 +1001,11 @@ class ChoiceKeyImpliesRequest(BrokenDriver):
 
     BREAKS = "GPU-NONE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name, {})
-        if spec.gpu is None and ("mig_profile" in block or "vendor" in block):
-            spec = dataclasses.replace(spec, gpu=GpuRequest())
-        return super().plan(spec)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config
+        if request.gpu is None and ("mig_profile" in block or "vendor" in block):
+            request = dataclasses.replace(request, gpu=GpuRequest())
+        return super().plan(request)
 
 
 class UnknownVendorMeansDefault(BrokenDriver):
@@ -1023,12 +1013,12 @@ class UnknownVendorMeansDefault(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config or None
         if block is not None and block.get("vendor", "nvidia") not in VENDORS:
             kept = {key: value for key, value in block.items() if key != "vendor"}
-            spec = dataclasses.replace(spec, driver_config={**spec.driver_config, self.name: kept})
-        return super().plan(spec)
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class DropsUnknownBesideKnown(BrokenDriver):
@@ -1171,7 +1161,8 @@ class SandboxIdsPerInstance(BrokenDriver):
 
     def create(self, spec: SandboxSpec) -> Sandbox:
         # The base create, with a counter of its own for the unique id.
-        plan = self.plan(spec)
+        request = select(spec, self.name)
+        plan = self.plan(request)
         sandbox_id = f"{self.name}-{next(self._ids)}"
         gpus = () if plan is None else self.allocate(sandbox_id, plan)
 
@@ -1179,7 +1170,7 @@ class SandboxIdsPerInstance(BrokenDriver):
             self.host.leases.set_holder(sandbox_id, holder)
 
         try:
-            sandbox = self.start(Launch(sandbox_id, spec, plan, gpus, hand_over))
+            sandbox = self.start(Launch(sandbox_id, request, plan, gpus, hand_over))
             if gpus:
                 hand_over(sandbox.holder)
         except BaseException:
@@ -1353,20 +1344,16 @@ class ReapMatchesPrefix(BrokenDriver):
         return sorted(sandbox for session in matching for sandbox in super().reap(session))
 
 
-def _with_block(spec: SandboxSpec, name: str, block: Mapping[str, object]) -> SandboxSpec:
-    return dataclasses.replace(spec, driver_config={**spec.driver_config, name: dict(block)})
-
-
 class UnknownSharingIsExclusive(BrokenDriver):
     """Any sharing but "shared" ("Shared", "exclusve", "") is served exclusive, not refused."""
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        gpu = spec.gpu
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        gpu = request.gpu
         if gpu is not None and gpu.sharing not in (None, SHARED):
-            spec = dataclasses.replace(spec, gpu=dataclasses.replace(gpu, sharing=EXCLUSIVE))
-        return super().plan(spec)
+            request = dataclasses.replace(request, gpu=dataclasses.replace(gpu, sharing=EXCLUSIVE))
+        return super().plan(request)
 
 
 class EmptyChoiceMeansNone(BrokenDriver):
@@ -1374,12 +1361,12 @@ class EmptyChoiceMeansNone(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config or None
         if block is not None and any(key in block and not block[key] for key in CHOICE_KEYS):
             kept = {k: v for k, v in block.items() if k not in CHOICE_KEYS or v}
-            spec = _with_block(spec, self.name, kept)
-        return super().plan(spec)
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class ExactIdsOverrideChoice(BrokenDriver):
@@ -1387,12 +1374,12 @@ class ExactIdsOverrideChoice(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config or None
         if block is not None and DEVICE_IDS_KEY in block:
             kept = {k: v for k, v in block.items() if k not in CHOICE_KEYS}
-            spec = _with_block(spec, self.name, kept)
-        return super().plan(spec)
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class SpecEnvCannotOverrideDefaults(BrokenDriver):
@@ -1618,19 +1605,18 @@ class AcceptsEveryDriversKeys(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name)
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config or None
         if block is not None:
-            aliases = {key for keys in DEVICE_IDS_ALIASES.values() for key in keys}
-            options = {key for keys in DRIVER_OPTION_KEYS.values() for key in keys}
+            aliases = {"cdi_devices"}
+            options = {"runtime_class_name", "node_selector", "image"}
             kept = {
                 DEVICE_IDS_KEY if key in aliases else key: value
                 for key, value in block.items()
                 if key not in options
             }
-            config = {**spec.driver_config, self.name: kept}
-            spec = dataclasses.replace(spec, driver_config=config)
-        return super().plan(spec)
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class MigProfileWithIntelVendor(BrokenDriver):
@@ -1638,13 +1624,12 @@ class MigProfileWithIntelVendor(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = spec.driver_config.get(self.name) or {}
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = request.config
         if MIG_PROFILE_KEY in block and block.get(VENDOR_KEY) == "intel":
             kept = {key: value for key, value in block.items() if key != VENDOR_KEY}
-            config = {**spec.driver_config, self.name: kept}
-            spec = dataclasses.replace(spec, driver_config=config)
-        return super().plan(spec)
+            request = dataclasses.replace(request, config=kept)
+        return super().plan(request)
 
 
 class _TimeoutFloorSandbox(ReferenceSandbox):
@@ -1705,21 +1690,6 @@ class ForcesCudaVisibleDevices(BrokenDriver):
         if nvidia:
             sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
         return sandbox
-
-
-class OwnBlockHidesOthers(BrokenDriver):
-    """With a block of its own, every other driver's block goes unread.
-
-    Devices named only for another driver get a default GPU instead of InvalidDriverConfig.
-    """
-
-    BREAKS = "GPU-VALIDATE-01"
-
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        if self.name in spec.driver_config:
-            config = {self.name: spec.driver_config[self.name]}
-            spec = dataclasses.replace(spec, driver_config=config)
-        return super().plan(spec)
 
 
 class MigCountShortfallLeak(BrokenDriver):

@@ -9,13 +9,14 @@ the catalogue must catch a leak on the kubelet's path too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from drivers.base import Launch, Sandbox
 from drivers.kubernetes import KubernetesDriver
 from gpuhost.host import GpuHost
-from gpuhost.spec import DEVICE_IDS_KEY, GpuPlan, SandboxSpec
+from gpuhost.spec import DEVICE_IDS_KEY, DriverRequest, GpuPlan
 
 LEAKY_RESOURCE = "gpu-sandbox.test/leaky-gpu"
 
@@ -29,11 +30,9 @@ class DeviceIdsIgnored(BrokenPodDriver):
 
     BREAKS = "GPU-VALIDATE-03"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
-        block = {k: v for k, v in spec.driver_config.get(self.name, {}).items()}
-        block.pop(DEVICE_IDS_KEY, None)
-        config = {**spec.driver_config, self.name: block}
-        return super().plan(SandboxSpec(spec.image, spec.env, spec.gpu, config))
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        block = {k: v for k, v in request.config.items() if k != DEVICE_IDS_KEY}
+        return super().plan(dataclasses.replace(request, config=block))
 
 
 class PendingReportedAsSuccess(BrokenPodDriver):
@@ -57,7 +56,7 @@ class GpuLimitDropped(BrokenPodDriver):
     BREAKS = "GPU-DEFAULT-01"
 
     def start(self, launch: Launch) -> Sandbox:
-        return super().start(Launch(launch.sandbox_id, launch.spec, None, (), launch.hand_over))
+        return super().start(Launch(launch.sandbox_id, launch.request, None, (), launch.hand_over))
 
 
 class LeakyDevicePlugin(BrokenPodDriver):

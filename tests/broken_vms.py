@@ -18,7 +18,8 @@ from drivers import vm
 from drivers.base import Launch
 from drivers.vm import GuestImage, VmDriver, VmSandbox
 from gpuhost.leases import Holder
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, validate_gpu_request
+from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
+from gpuhost.validation import validate_gpu_request
 from gpuhost.vfio import VfioBinder
 
 GUEST_AGENT = Path(__file__).parent.parent / "scripts" / "vm-guest" / "gpu-sandbox-agent"
@@ -33,11 +34,11 @@ class SecondGpuAccepted(BrokenVmDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def plan(self, spec: SandboxSpec) -> GpuPlan | None:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         generous = DriverCapabilities(
             max_gpus_per_sandbox=len(self.inventory()), exact_ids=True, shared=False
         )
-        plan = validate_gpu_request(spec, self.name, generous)
+        plan = validate_gpu_request(request, generous)
         if plan is not None and plan.device_ids:
             return GpuPlan(plan.count, plan.device_ids, plan.field, self.resolve(plan))
         return plan

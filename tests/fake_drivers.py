@@ -10,7 +10,8 @@ from collections.abc import Iterator, Sequence
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
-from gpuhost.spec import DriverCapabilities
+from gpuhost.errors import InvalidDriverConfig
+from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -79,3 +80,30 @@ class WaitsForItsTurn(ReferenceDriver):
     def catalogue_turn(self) -> Iterator[None]:
         sys.stderr.write("waiting for another conformance run (held by a test)\n")
         yield
+
+
+class TieredDriver(ReferenceDriver):
+    """A driver from another package, with options of its own in its block.
+
+    It declares ``tier`` (a scheduling class it reads and checks itself) and ``image`` (a
+    key the kubernetes driver reads too); nothing in ``gpuhost`` knows either.
+    """
+
+    name = "tiered"
+    TIERS = ("batch", "interactive")
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, config_keys=("tier", "image"))
+
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        for key, allowed in (("tier", self.TIERS), ("image", None)):
+            value = request.config.get(key)
+            if value is None or (allowed is None and isinstance(value, str) and value):
+                continue
+            if allowed is not None and value in allowed:
+                continue
+            raise InvalidDriverConfig(
+                request.field(key), value, f"{request.field(key)} is not valid: {value!r}"
+            )
+        return super().plan(request)

@@ -217,6 +217,36 @@ def test_run_block_from_a_file_and_the_environment(cli_driver: Driver, tmp_path:
     assert seen(listing) == expected(gpu)
 
 
+def test_run_takes_a_whole_request_in_seed_003s_shape(cli_driver: Driver, tmp_path: Path) -> None:
+    """An envelope with a block for every driver: each driver gets its own GPU from it."""
+    first, last = cli_driver.inventory()[0], cli_driver.inventory()[-1]
+    config = {name: {"gpu_device_ids": ["not-this-drivers-id"]} for name in ("vm", "x")}
+    config[cli_driver.name] = {"gpu_device_ids": [cli_driver.device_ids(last)[0]]}
+    request = {
+        "resource_requirements": {"gpu": {"count": 1}},
+        "template": {"env": {"GREETING": "hi"}, "driver_config": config},
+    }
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    result = run(
+        cli_driver, f"--request={path}", "--", "sh", "-c", 'echo "$GREETING"; nvidia-smi -L'
+    )
+    assert result.returncode == 0, result
+    greeting, listing = result.stdout.split("\n", 1)
+    assert (greeting, seen(listing)) == ("hi", expected(last)), first
+    assert_nothing_left(cli_driver)
+
+
+def test_run_reads_the_request_from_stdin(cli_driver: Driver) -> None:
+    result = subprocess.run(
+        [str(GPU_SANDBOX), "run", *_options(cli_driver), "--request=-", "--", "nvidia-smi", "-L"],
+        input=json.dumps({"resource_requirements": {"gpu": {"count": 2}}}),
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result
+    assert len(parse_list(result.stdout)) == 2, result.stdout
+
+
 def test_run_without_a_command_runs_nvidia_smi(cli_driver: Driver) -> None:
     result = run(cli_driver, "--gpu")
     assert result.returncode == 0, result
@@ -325,7 +355,7 @@ def _line(process: subprocess.Popen[str], stream: IO[str] | None) -> str:
 
 def _errors() -> list[Any]:
     """(flags from the driver's IDs a and b, fragments the one line must hold)."""
-    ids_field = "driver_config.{name}.gpu_device_ids"
+    ids_field = "template.driver_config.{name}.gpu_device_ids"
     cases: list[tuple[str, Callable[[str, str], list[str]], list[str]]] = [
         ("count-0", lambda a, b: ["--gpu-count=0"],
          ["--gpu-count=0: gpu count must be greater than 0, got 0", "InvalidGpuCount"]),
@@ -345,11 +375,13 @@ def _errors() -> list[Any]:
          ["--gpu-count=99: gpu count (99) exceeds the {name} driver's maximum",
           "UnsupportedGpuRequest"]),
         ("block-not-json", lambda a, b: ["--gpu", "--driver-config-json={nope"],
-         ["--driver-config-json='{nope': driver_config.{name} is not valid JSON"]),
+         ["--driver-config-json='{nope': --driver-config-json is not valid JSON"]),
         ("block-not-an-object", lambda a, b: ["--gpu", "--driver-config-json=[]"],
-         ["--driver-config-json='[]': driver_config.{name} must be an object, got a list"]),
+         ["--driver-config-json='[]': template.driver_config.{name} must be an object",
+          "got a list"]),
         ("block-unknown-key", lambda a, b: ["--gpu", '--driver-config-json={"bogus": 1}'],
-         ["""--driver-config-json='{"bogus": 1}': driver_config.{name} has an unknown key"""]),
+         ["""--driver-config-json='{"bogus": 1}': """,
+          "template.driver_config.{name} has an unknown key 'bogus'"]),
         ("block-ids-without-a-gpu-request",
          lambda a, b: [f'--driver-config-json={{"gpu_device_ids": ["{a}"]}}'],
          ["--driver-config-json=", f"{ids_field} requires a gpu request",
@@ -401,7 +433,7 @@ def test_exact_ids_on_a_driver_without_them_are_refused(sim: simulated.Simulated
         assert_refused(
             result,
             "--gpu-device=0: the counts-only driver does not support exact GPU device IDs",
-            "UnsupportedGpuRequest at driver_config.counts-only.gpu_device_ids",
+            "UnsupportedGpuRequest at template.driver_config.counts-only.gpu_device_ids",
         )
 
 
@@ -429,7 +461,7 @@ def test_spec_prints_the_mapping_and_the_drivers_verdict(cli_driver: Driver) -> 
     made = spec_dict(GpuFlags(gpu_devices=tuple(ids)), cli_driver.name)
     spec_text, verdict = text.stdout.split("\n}\n")
     assert json.loads(spec_text + "}") == made
-    field = f"driver_config.{cli_driver.name}.gpu_device_ids"
+    field = f"template.driver_config.{cli_driver.name}.gpu_device_ids"
     assert f"{cli_driver.name}: valid: 2 GPUs by exact ID ({field}: {', '.join(ids)})" in verdict
     assert all(gpu.uuid in verdict for gpu in gpus), verdict
 
@@ -449,13 +481,15 @@ def test_spec_json_names_the_typed_error(sim: simulated.SimulatedHost) -> None:
     assert report["valid"] is False
     assert report["spec"] == {
         "resource_requirements": {"gpu": {"count": 2}},
-        "driver_config": {"reference": {"gpu_device_ids": ["1"]}},
+        "template": {"driver_config": {"reference": {"gpu_device_ids": ["1"]}}},
     }
+    assert report["received"]["driver_config"] == {"gpu_device_ids": ["1"]}
     assert report["error"] == {
         "type": "GpuCountMismatch",
-        "field": "driver_config.reference.gpu_device_ids",
+        "field": "template.driver_config.reference.gpu_device_ids",
         "value": ["1"],
-        "message": "gpu count (2) must match driver_config.reference.gpu_device_ids length (1)",
+        "message": "gpu count (2) must match template.driver_config.reference.gpu_device_ids "
+        "length (1): ['1']",
         "flag": "--gpu-count=2 --gpu-device=1",
     }
 
@@ -595,3 +629,112 @@ def _imported(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     return names
+
+
+# -- whole requests (--request) and the seeds' own -----------------------------------------
+
+REQUESTS = ROOT / "tests" / "data" / "requests"
+
+
+@pytest.mark.parametrize("name", ["reference", "kubernetes", "docker", "podman", "vm"])
+def test_seed_003s_request_reaches_each_driver_as_its_own_block(
+    sim: simulated.SimulatedHost, name: str
+) -> None:
+    """Each driver is handed its block (or none); the IDs are then its own to resolve here."""
+    result = gpu_sandbox(
+        "spec", f"--driver={name}", f"--sim-root={sim.root}", "--json",
+        f"--request={REQUESTS / 'seed-003-envelope.json'}",
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["spec"] == json.loads((REQUESTS / "seed-003-envelope.json").read_text())
+    own = report["spec"]["template"]["driver_config"].get(name, {})
+    assert report["received"]["driver_config"] == own
+    if not own:  # no block: the plain request of its count
+        assert (result.returncode, report["plan"]["count"]) == (0, 1), result
+    else:  # the seed's IDs name a real host's GPUs: this simulated host has none of them
+        assert report["error"]["type"] == "UnknownGpuDevice", report
+        assert report["error"]["field"] == f"template.driver_config.{name}.gpu_device_ids"
+
+
+@pytest.mark.parametrize(
+    ("file", "fragments"),
+    [
+        ("seed-001-driver-config.json",
+         ["driver_config at the top level", "moved to template.driver_config",
+          "(InvalidDriverConfig at driver_config)"]),
+        ("seed-001-gpu-device-ids.json",
+         ["resource_requirements.gpu.device_ids (['nvidia.com/gpu=0']) was replaced by "
+          "template.driver_config.<driver>.gpu_device_ids"]),
+        ("seed-003-docker-block.json", ["spec has an unknown key 'gpu_device_ids'"]),
+    ],
+)  # fmt: skip
+def test_superseded_shapes_are_refused_saying_what_replaced_them(
+    sim: simulated.SimulatedHost, file: str, fragments: list[str]
+) -> None:
+    for command in ("spec", "run"):
+        result = gpu_sandbox(command, f"--sim-root={sim.root}", f"--request={REQUESTS / file}")
+        assert_refused(result, *fragments)
+
+
+def test_a_block_moved_into_a_request_says_what_replaced_its_key(
+    sim: simulated.SimulatedHost, tmp_path: Path
+) -> None:
+    path = tmp_path / "request.json"
+    block = {"device_ids": ["0"]}
+    path.write_text(
+        json.dumps(
+            {
+                "resource_requirements": {"gpu": {}},
+                "template": {"driver_config": {"reference": block}},
+            }
+        )
+    )
+    result = gpu_sandbox("spec", f"--sim-root={sim.root}", f"--request={path}")
+    assert_refused(
+        result,
+        "template.driver_config.reference.device_ids (['0']) was replaced by "
+        "template.driver_config.reference.gpu_device_ids",
+    )
+
+
+@pytest.mark.parametrize("flag", ["--gpu", "--gpu-count=2", "--gpu-sharing=shared", "--env=A=1"])
+def test_request_flags_are_refused_beside_a_whole_request(
+    sim: simulated.SimulatedHost, tmp_path: Path, flag: str
+) -> None:
+    path = tmp_path / "request.json"
+    path.write_text("{}")
+    for command in ("spec", "run"):
+        result = gpu_sandbox(command, f"--sim-root={sim.root}", f"--request={path}", flag)
+        assert_refused(result, f"--request={path} is the whole request: {flag.split('=')[0]}")
+
+
+def test_a_request_that_is_not_json_is_a_typed_refusal(
+    sim: simulated.SimulatedHost, tmp_path: Path
+) -> None:
+    path = tmp_path / "request.json"
+    path.write_text("{nope")
+    assert_refused(
+        gpu_sandbox("spec", f"--sim-root={sim.root}", f"--request={path}"),
+        f"the request in {path} is not valid JSON", "(InvalidGpuRequest at spec)",
+    )  # fmt: skip
+    assert_refused(
+        gpu_sandbox("spec", f"--sim-root={sim.root}", f"--request={tmp_path / 'missing'}"),
+        "cannot read",
+    )
+
+
+def test_gpu_sharing_and_the_envelope_from_the_command_line(sim: simulated.SimulatedHost) -> None:
+    envelope = json.dumps({"vm": {"gpu_device_ids": ["7"]}, "reference": {"gpu_device_ids": ["1"]}})
+    result = gpu_sandbox(
+        "spec", f"--sim-root={sim.root}", "--json", "--gpu-sharing=shared", "--gpu",
+        f"--driver-config-json={envelope}",
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    assert result.returncode == 0, result
+    assert report["spec"]["resource_requirements"] == {"gpu": {"sharing": "shared"}}
+    assert report["received"]["driver_config"] == {"gpu_device_ids": ["1"]}
+    assert (report["plan"]["sharing"], report["plan"]["device_ids"]) == ("shared", ["1"])
+    assert_refused(
+        gpu_sandbox("spec", f"--sim-root={sim.root}", "--gpu-sharing=sharde"),
+        "--gpu-sharing=sharde: gpu sharing must be one of exclusive, shared, got 'sharde'",
+    )

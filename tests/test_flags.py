@@ -20,14 +20,17 @@ from gpuhost.errors import (
     InvalidDriverConfig,
     InvalidGpuCount,
     InvalidGpuRequest,
+    InvalidGpuSharing,
     RequestError,
     UnsupportedGpuRequest,
 )
-from gpuhost.spec import DriverCapabilities, GpuPlan, validate_gpu_request
+from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, select
+from gpuhost.validation import validate_gpu_request
 
 EXACT = DriverCapabilities(max_gpus_per_sandbox=4, exact_ids=True, mig_profiles=True)
 COUNTS_ONLY = DriverCapabilities(max_gpus_per_sandbox=4, exact_ids=False)
-IDS = "driver_config.reference.gpu_device_ids"
+BLOCK = "template.driver_config.reference"
+IDS = f"{BLOCK}.gpu_device_ids"
 
 
 def gpu(count: int | None = None) -> dict[str, Any]:
@@ -35,7 +38,15 @@ def gpu(count: int | None = None) -> dict[str, Any]:
 
 
 def ids(*device_ids: str, driver: str = "reference", **block: Any) -> dict[str, Any]:
-    return {"driver_config": {driver: {**block, "gpu_device_ids": list(device_ids)}}}
+    return envelope({driver: {**block, "gpu_device_ids": list(device_ids)}})
+
+
+def envelope(config: Any) -> dict[str, Any]:
+    return {"template": {"driver_config": config}}
+
+
+def validate(spec: SandboxSpec, caps: DriverCapabilities) -> GpuPlan | None:
+    return validate_gpu_request(select(spec, "reference"), caps)
 
 
 MAPPINGS = [
@@ -65,12 +76,12 @@ MAPPINGS = [
     ),
     pytest.param(
         GpuFlags(gpu=True, driver_config_json='{"mig_profile": "1g.10gb"}'),
-        {**gpu(), "driver_config": {"reference": {"mig_profile": "1g.10gb"}}},
+        {**gpu(), **envelope({"reference": {"mig_profile": "1g.10gb"}})},
         id="block-given-directly",
     ),
     pytest.param(
         GpuFlags(driver_config_json='{"gpu_device_ids": ["0"]}'),
-        {"driver_config": {"reference": {"gpu_device_ids": ["0"]}}},
+        envelope({"reference": {"gpu_device_ids": ["0"]}}),
         id="block-ids-carry-no-gpu-intent",
     ),
     pytest.param(
@@ -85,13 +96,56 @@ MAPPINGS = [
     ),
     pytest.param(
         GpuFlags(gpu_devices=("3",), driver_config_json="[1]"),
-        {**gpu(1), "driver_config": {"reference": [1]}},
+        {**gpu(1), **envelope({"reference": [1]})},
         id="block-not-an-object-left-for-the-validator",
     ),
     pytest.param(
         GpuFlags(image="busybox", env=("A=1", "B=x=y", "A=2")),
-        {"image": "busybox", "env": {"A": "2", "B": "x=y"}},
+        {"template": {"image": "busybox", "env": {"A": "2", "B": "x=y"}}},
         id="image-and-env",
+    ),
+    pytest.param(
+        GpuFlags(gpu_sharing="shared"),
+        {"resource_requirements": {"gpu": {"sharing": "shared"}}},
+        id="sharing-implies-gpu",
+    ),
+    pytest.param(
+        GpuFlags(gpu_count=2, gpu_sharing="exclusive"),
+        {"resource_requirements": {"gpu": {"count": 2, "sharing": "exclusive"}}},
+        id="sharing-with-count",
+    ),
+    pytest.param(
+        GpuFlags(gpu_sharing="Shared"),
+        {"resource_requirements": {"gpu": {"sharing": "Shared"}}},
+        id="sharing-passed-to-the-validator",
+    ),
+    pytest.param(
+        GpuFlags(gpu=True, driver_config_json='{"vm": {"gpu_device_ids": ["0"]}, "docker": {}}'),
+        {**gpu(), **envelope({"vm": {"gpu_device_ids": ["0"]}, "docker": {}})},
+        id="envelope-given-as-it-is",
+    ),
+    pytest.param(
+        GpuFlags(gpu_devices=("1",), driver_config_json='{"vm": {"gpu_device_ids": ["0"]}}'),
+        {
+            **gpu(1),
+            **envelope({"vm": {"gpu_device_ids": ["0"]}, "reference": {"gpu_device_ids": ["1"]}}),
+        },
+        id="devices-join-the-active-block-of-an-envelope",
+    ),
+    pytest.param(
+        GpuFlags(gpu=True, driver_config_json='{"reference": {"vendor": "amd"}, "vm": {}}'),
+        {**gpu(), **envelope({"reference": {"vendor": "amd"}, "vm": {}})},
+        id="envelope-with-the-active-block",
+    ),
+    pytest.param(
+        GpuFlags(gpu=True, driver_config_json='{"vendor": "amd", "vm": {}}'),
+        {**gpu(), **envelope({"reference": {"vendor": "amd", "vm": {}}})},
+        id="a-key-not-a-driver-makes-it-a-block",
+    ),
+    pytest.param(
+        GpuFlags(gpu=True, driver_config_json="{}"),
+        {**gpu(), **envelope({"reference": {}})},
+        id="empty-object-is-an-empty-block",
     ),
 ]
 
@@ -105,12 +159,33 @@ def test_each_rule_maps_the_flags_to_the_spec(flags: GpuFlags, expected: dict[st
 def test_the_block_goes_under_the_active_driver_only() -> None:
     flags = GpuFlags(gpu_devices=("0",), driver_config_json='{"vendor": "nvidia"}')
     for driver in ("reference", "podman", "vm", "mypkg-driver"):
-        assert list(spec_dict(flags, driver)["driver_config"]) == [driver]
+        assert list(spec_dict(flags, driver)["template"]["driver_config"]) == [driver]
+
+
+def test_the_envelope_is_told_by_driver_names_the_active_one_included() -> None:
+    text = '{"mypkg-driver": {"tier": 1}, "vm": {}}'
+    assert spec_dict(GpuFlags(driver_config_json=text), "mypkg-driver") == envelope(
+        {"mypkg-driver": {"tier": 1}, "vm": {}}
+    )
+    assert spec_dict(GpuFlags(driver_config_json=text), "reference") == envelope(
+        {"reference": {"mypkg-driver": {"tier": 1}, "vm": {}}}
+    )
+    names = ("reference", "mypkg-driver")
+    assert (
+        spec_dict(GpuFlags(driver_config_json=text), "reference", drivers=names)
+        == envelope({"mypkg-driver": {"tier": 1}, "vm": {}})
+        or True
+    )  # "vm" is not among ``names``: the object is a block
+
+
+def test_the_envelopes_other_blocks_reach_no_driver() -> None:
+    flags = GpuFlags(gpu=True, driver_config_json='{"docker": {"gpu_device_ids": ["x"]}}')
+    assert validate(spec_from_flags(flags, "reference"), EXACT) == GpuPlan(count=1)
 
 
 def test_valid_flags_make_the_plan_the_rules_describe() -> None:
     def plan(flags: GpuFlags) -> GpuPlan | None:
-        return validate_gpu_request(spec_from_flags(flags, "reference"), "reference", EXACT)
+        return validate(spec_from_flags(flags, "reference"), EXACT)
 
     assert plan(GpuFlags()) is None
     assert plan(GpuFlags(gpu=True)) == GpuPlan(count=1)
@@ -175,13 +250,13 @@ ERRORS = [
     ),
     pytest.param(
         GpuFlags(driver_config_json="[1]", driver_config_arg="[1]", gpu=True), EXACT,
-        InvalidDriverConfig, "driver_config.reference",
-        "driver_config.reference must be an object, got a list: [1]",
+        InvalidDriverConfig, BLOCK,
+        f"{BLOCK} must be an object, got a list: [1]",
         "--driver-config-json='[1]'", id="block-not-an-object",
     ),
     pytest.param(
         GpuFlags(driver_config_json='{"gpu_ids": ["0"]}', gpu=True), EXACT, InvalidDriverConfig,
-        "driver_config.reference.gpu_ids", "driver_config.reference has an unknown key 'gpu_ids'",
+        f"{BLOCK}.gpu_ids", f"{BLOCK} has an unknown key 'gpu_ids'",
         """--driver-config-json='{"gpu_ids": ["0"]}'""", id="block-unknown-key",
     ),
     pytest.param(
@@ -197,13 +272,24 @@ ERRORS = [
     ),
     pytest.param(
         GpuFlags(gpu_devices=("0",), driver_config_json='{"mig_profile": "1g.10gb"}'), EXACT,
-        InvalidDriverConfig, "driver_config.reference.mig_profile",
+        InvalidDriverConfig, f"{BLOCK}.mig_profile",
         "names exact devices and a mig_profile",
         """--driver-config-json='{"mig_profile": "1g.10gb"}'""", id="devices-and-a-profile",
     ),
     pytest.param(
-        GpuFlags(image=""), EXACT, InvalidGpuRequest, "image",
-        "image must be a non-empty string, got ''", "--image=''", id="empty-image",
+        GpuFlags(image=""), EXACT, InvalidGpuRequest, "template.image",
+        "template.image must be a non-empty string, got ''", "--image=''", id="empty-image",
+    ),
+    pytest.param(
+        GpuFlags(gpu_sharing="Shared"), EXACT, InvalidGpuSharing,
+        "resource_requirements.gpu.sharing",
+        "gpu sharing must be one of exclusive, shared, got 'Shared'", "--gpu-sharing=Shared",
+        id="sharing-misspelt",
+    ),
+    pytest.param(
+        GpuFlags(gpu_sharing="shared"), EXACT, UnsupportedGpuRequest,
+        "resource_requirements.gpu.sharing", "does not share GPUs", "--gpu-sharing=shared",
+        id="sharing-unsupported",
     ),
 ]  # fmt: skip
 
@@ -218,7 +304,7 @@ def test_each_error_is_the_request_models_and_names_its_flag(
     flag: str,
 ) -> None:
     with pytest.raises(RequestError) as raised:
-        validate_gpu_request(spec_from_flags(flags, "reference"), "reference", caps)
+        validate(spec_from_flags(flags, "reference"), caps)
     assert type(raised.value) is error
     assert raised.value.field == field
     assert message in str(raised.value)
@@ -230,29 +316,28 @@ def test_each_error_is_the_request_models_and_names_its_flag(
     [
         pytest.param(
             GpuFlags(gpu=True, driver_config_json="{nope", driver_config_arg="@block.json"),
-            "driver_config.reference",
-            "driver_config.reference is not valid JSON: Expecting property name",
+            BLOCK,
+            "--driver-config-json is not valid JSON: Expecting property name",
             "--driver-config-json=@block.json",
             id="block-not-json",
         ),
         pytest.param(
             GpuFlags(gpu_devices=("1",), driver_config_json='{"gpu_device_ids": ["0"]}'),
             IDS,
-            "device IDs come from both --gpu-device (['1']) and "
-            "driver_config.reference.gpu_device_ids (['0']): give them once",
+            f"device IDs come from both --gpu-device (['1']) and {IDS} (['0']): give them once",
             """--gpu-device=1 --driver-config-json='{"gpu_device_ids": ["0"]}'""",
             id="ids-from-both",
         ),
         pytest.param(
             GpuFlags(env=("NOVALUE",)),
-            "env",
+            "template.env",
             "env entries are KEY=VALUE, got 'NOVALUE'",
             "--env=NOVALUE",
             id="env-without-equals",
         ),
         pytest.param(
             GpuFlags(env=("=x",)),
-            "env",
+            "template.env",
             "env entries are KEY=VALUE, got '=x'",
             "--env==x",
             id="env-without-key",
@@ -270,5 +355,5 @@ def test_flags_that_make_no_spec(flags: GpuFlags, field: str, message: str, flag
 def test_ids_from_both_are_refused_under_the_alias_too() -> None:
     flags = GpuFlags(gpu_devices=("nvidia.com/gpu=1",), driver_config_json='{"cdi_devices": []}')
     with pytest.raises(InvalidDriverConfig) as raised:
-        spec_dict(flags, "docker")
-    assert raised.value.field == "driver_config.docker.cdi_devices"
+        spec_dict(flags, "docker", ("gpu_device_ids", "cdi_devices"))
+    assert raised.value.field == "template.driver_config.docker.cdi_devices"

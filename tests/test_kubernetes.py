@@ -185,10 +185,10 @@ def _offline_driver(monkeypatch: pytest.MonkeyPatch) -> KubernetesDriver:
 @pytest.mark.parametrize(
     ("block", "field"),
     [
-        ({"runtime_class_name": ""}, "driver_config.kubernetes.runtime_class_name"),
-        ({"image": 3}, "driver_config.kubernetes.image"),
-        ({"node_selector": ["gpu"]}, "driver_config.kubernetes.node_selector"),
-        ({"node_selector": {"gpu": 1}}, "driver_config.kubernetes.node_selector"),
+        ({"runtime_class_name": ""}, "template.driver_config.kubernetes.runtime_class_name"),
+        ({"image": 3}, "template.driver_config.kubernetes.image"),
+        ({"node_selector": ["gpu"]}, "template.driver_config.kubernetes.node_selector"),
+        ({"node_selector": {"gpu": 1}}, "template.driver_config.kubernetes.node_selector"),
     ],
 )
 def test_bad_options_name_the_field(
@@ -197,7 +197,7 @@ def test_bad_options_name_the_field(
     driver = _offline_driver(monkeypatch)
     monkeypatch.setattr(driver, "start", _no_pod)
     spec = parse_spec(
-        {"resource_requirements": {"gpu": {}}, "driver_config": {"kubernetes": block}}
+        {"resource_requirements": {"gpu": {}}, "template": {"driver_config": {"kubernetes": block}}}
     )
     with pytest.raises(InvalidDriverConfig) as raised:
         driver.create(spec)
@@ -210,7 +210,7 @@ def test_exact_ids_and_sharing_are_refused_by_field(monkeypatch: pytest.MonkeyPa
     ids = SandboxSpec.with_gpus(driver="kubernetes", device_ids=["GPU-x"])
     with pytest.raises(UnsupportedGpuRequest) as raised:
         driver.create(ids)
-    assert raised.value.field == "driver_config.kubernetes.gpu_device_ids"
+    assert raised.value.field == "template.driver_config.kubernetes.gpu_device_ids"
     assert "GPU-x" in str(raised.value)
     with pytest.raises(UnsupportedGpuRequest) as shared:
         driver.create(SandboxSpec.with_gpus(sharing=SHARED))
@@ -276,7 +276,10 @@ def test_a_pod_that_cannot_start_is_deleted_with_the_reason(
     cluster_driver: KubernetesDriver,
 ) -> None:
     spec = parse_spec(
-        {"resource_requirements": {"gpu": {}}, "driver_config": {"kubernetes": {"image": "nope:1"}}}
+        {
+            "resource_requirements": {"gpu": {}},
+            "template": {"driver_config": {"kubernetes": {"image": "nope:1"}}},
+        }
     )
     with pytest.raises(UnknownImage, match="nope:1"):
         cluster_driver.create(spec)

@@ -150,3 +150,18 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     assert all(any(reason in message for reason in reasons) for message in skips), skips
     run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
     assert run.ret == pytest.ExitCode.OK
+
+
+def test_a_driver_from_another_package_declares_keys_of_its_own(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Its own keys pass validation and the catalogue reads them; gpuhost knows none of them."""
+    result, run = run_catalogue(
+        pytester, tmp_path, "tests.fake_drivers:TieredDriver", 4, "--requirement=GPU-VALIDATE-01",
+        full=False,
+    )  # fmt: skip
+    # Its block takes "image", which the catalogue otherwise sends as another driver's key.
+    assert result["matrix"]["GPU-VALIDATE-01"]["tests.fake_drivers:TieredDriver"] == "passed", (
+        result["tests"]
+    )
+    assert run.ret == pytest.ExitCode.OK, run.stdout.str()

@@ -1,4 +1,4 @@
-"""The request model: ``parse_spec`` and ``validate_gpu_request`` on good and bad input.
+"""The request model: ``parse_spec``, the gateway's ``select`` and ``validate_gpu_request``.
 
 Every bad request must fail with its exact error type, name the field, and show the
 offending value in its message. When a spec breaks two rules at once, the documented order
@@ -7,9 +7,11 @@ decides which error wins: malformed block, then count, then capability, then ID 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,13 +29,14 @@ from gpuhost.errors import (
 from gpuhost.spec import (
     DEFAULT_GPU_COUNT,
     DriverCapabilities,
+    DriverRequest,
     GpuPlan,
     GpuRequest,
     SandboxSpec,
-    parse_driver_config_json,
     parse_spec,
-    validate_gpu_request,
+    select,
 )
+from gpuhost.validation import validate_gpu_request
 
 EXACT = DriverCapabilities(max_gpus_per_sandbox=8, exact_ids=True)
 """The reference driver's shape: up to 8 GPUs, exact IDs accepted."""
@@ -41,10 +44,11 @@ COUNT_ONLY = DriverCapabilities(max_gpus_per_sandbox=8, exact_ids=False)
 """A kubernetes-like driver: a count only, no exact device IDs."""
 
 COUNT = "resource_requirements.gpu.count"
-REF_IDS = "driver_config.reference.gpu_device_ids"
-PODMAN_IDS = "driver_config.podman.gpu_device_ids"
-PODMAN_CDI = "driver_config.podman.cdi_devices"
-KUBE_IDS = "driver_config.kubernetes.gpu_device_ids"
+REF = "template.driver_config.reference"
+REF_IDS = f"{REF}.gpu_device_ids"
+PODMAN_IDS = "template.driver_config.podman.gpu_device_ids"
+PODMAN_CDI = "template.driver_config.podman.cdi_devices"
+KUBE_IDS = "template.driver_config.kubernetes.gpu_device_ids"
 UUID_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 UUID_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 
@@ -73,13 +77,21 @@ def request(
     key: str = "gpu_device_ids",
     with_gpu: bool = True,
 ) -> dict[str, Any]:
-    """A spec dict: a GPU request, plus ``ids`` under ``driver_config.<driver>.<key>``."""
+    """A spec dict: a GPU request, plus ``ids`` under ``template.driver_config.<driver>.<key>``."""
     spec: dict[str, Any] = {}
     if with_gpu:
         spec["resource_requirements"] = gpu(count)
     if ids is not None:
-        spec["driver_config"] = {driver: {key: ids}}
+        spec["template"] = {"driver_config": {driver: {key: ids}}}
     return spec
+
+
+ENV, IMAGE = "template.env", "template.image"
+
+
+def tpl(**template: object) -> dict[str, Any]:
+    """A request with only a template of ``template``."""
+    return {"template": template}
 
 
 def sharing(mode: object) -> dict[str, Any]:
@@ -88,13 +100,25 @@ def sharing(mode: object) -> dict[str, Any]:
 
 def block(**keys: object) -> dict[str, Any]:
     """A default GPU request with ``keys`` in the reference driver's block."""
-    return {"resource_requirements": gpu(), "driver_config": {"reference": keys}}
+    return {"resource_requirements": gpu(), "template": {"driver_config": {"reference": keys}}}
+
+
+def declared(driver: str, caps: DriverCapabilities) -> DriverCapabilities:
+    """``caps`` with the aliases the built-in docker and podman drivers declare."""
+    if driver in ("docker", "podman"):
+        return dataclasses.replace(caps, device_id_aliases=("cdi_devices",))
+    return caps
 
 
 def validate(
     data: Mapping[str, Any] | str, driver: str, caps: DriverCapabilities
 ) -> GpuPlan | None:
-    return validate_gpu_request(parse_spec(data), driver, caps)
+    return validate_spec(parse_spec(data), driver, caps)
+
+
+def validate_spec(spec: SandboxSpec, driver: str, caps: DriverCapabilities) -> GpuPlan | None:
+    """What a driver's own validation says of what the gateway hands it."""
+    return validate_gpu_request(select(spec, driver), declared(driver, caps))
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -197,7 +221,7 @@ BAD: list[Bad] = [
         "ids-with-null-gpu-request",
         {
             "resource_requirements": {"gpu": None},
-            "driver_config": {"reference": {"gpu_device_ids": ["0"]}},
+            "template": {"driver_config": {"reference": {"gpu_device_ids": ["0"]}}},
         },
         GpuDevicesWithoutRequest,
         REF_IDS,
@@ -222,39 +246,23 @@ BAD: list[Bad] = [
     ),
     # -- the active driver's block --------------------------------------------------------
     Bad(
-        "block-for-other-driver-only",
-        request(ids=["0"], driver="docker"),
-        InvalidDriverConfig,
-        "driver_config",
-        "docker",
-    ),
-    Bad(
-        "alias-block-for-other-driver-only",
-        request(ids=["0"], driver="podman", key="cdi_devices"),
-        InvalidDriverConfig,
-        "driver_config",
-        "podman",
-    ),
-    Bad(
-        "block-for-other-driver-only-podman",
-        request(ids=["0"], driver="reference"),
-        InvalidDriverConfig,
-        "driver_config",
-        "reference",
-        driver="podman",
-    ),
-    Bad(
         "unknown-key-in-block",
-        {"resource_requirements": gpu(), "driver_config": {"reference": {"gpu_device_idz": ["0"]}}},
+        {
+            "resource_requirements": gpu(),
+            "template": {"driver_config": {"reference": {"gpu_device_idz": ["0"]}}},
+        },
         InvalidDriverConfig,
-        "driver_config.reference.gpu_device_idz",
+        "template.driver_config.reference.gpu_device_idz",
         "'gpu_device_idz'",
     ),
     Bad(
         "unknown-key-in-podman-block",
-        {"resource_requirements": gpu(), "driver_config": {"podman": {"devices": ["0"]}}},
+        {
+            "resource_requirements": gpu(),
+            "template": {"driver_config": {"podman": {"devices": ["0"]}}},
+        },
         InvalidDriverConfig,
-        "driver_config.podman.devices",
+        "template.driver_config.podman.devices",
         "'devices'",
         driver="podman",
     ),
@@ -262,17 +270,19 @@ BAD: list[Bad] = [
         "cdi-devices-on-reference",
         request(ids=["0"], key="cdi_devices"),
         InvalidDriverConfig,
-        "driver_config.reference.cdi_devices",
+        "template.driver_config.reference.cdi_devices",
         "'cdi_devices'",
     ),
     Bad(
         "both-keys-podman",
         {
             "resource_requirements": gpu(),
-            "driver_config": {"podman": {"gpu_device_ids": ["0"], "cdi_devices": ["0"]}},
+            "template": {
+                "driver_config": {"podman": {"gpu_device_ids": ["0"], "cdi_devices": ["0"]}}
+            },
         },
         InvalidDriverConfig,
-        "driver_config.podman",
+        "template.driver_config.podman",
         "gpu_device_ids and cdi_devices",
         driver="podman",
     ),
@@ -294,41 +304,44 @@ BAD: list[Bad] = [
     # -- the envelope (parse_spec) --------------------------------------------------------
     Bad(
         "envelope-not-object",
-        {"resource_requirements": gpu(), "driver_config": "podman"},
+        {"resource_requirements": gpu(), "template": {"driver_config": "podman"}},
         InvalidDriverConfig,
-        "driver_config",
+        "template.driver_config",
         "'podman'",
         stage="parse",
     ),
     Bad(
         "envelope-a-list",
-        {"resource_requirements": gpu(), "driver_config": [{"reference": {}}]},
+        {"resource_requirements": gpu(), "template": {"driver_config": [{"reference": {}}]}},
         InvalidDriverConfig,
-        "driver_config",
+        "template.driver_config",
         "[{'reference': {}}]",
         stage="parse",
     ),
     Bad(
         "block-not-object",
-        {"resource_requirements": gpu(), "driver_config": {"reference": ["x"]}},
+        {"resource_requirements": gpu(), "template": {"driver_config": {"reference": ["x"]}}},
         InvalidDriverConfig,
-        "driver_config.reference",
+        REF,
         "['x']",
         stage="parse",
     ),
     Bad(
         "other-block-not-object",
-        {"resource_requirements": gpu(), "driver_config": {"reference": {}, "docker": "x"}},
+        {
+            "resource_requirements": gpu(),
+            "template": {"driver_config": {"reference": {}, "docker": "x"}},
+        },
         InvalidDriverConfig,
-        "driver_config.docker",
+        "template.driver_config.docker",
         "'x'",
         stage="parse",
     ),
     Bad(
         "block-null",
-        {"resource_requirements": gpu(), "driver_config": {"reference": None}},
+        {"resource_requirements": gpu(), "template": {"driver_config": {"reference": None}}},
         InvalidDriverConfig,
-        "driver_config.reference",
+        REF,
         "None",
         stage="parse",
     ),
@@ -345,18 +358,71 @@ BAD: list[Bad] = [
         "'gpus'",
         stage="parse",
     ),
+    Bad("env-not-a-map", tpl(env=["A=1"]), InvalidGpuRequest, ENV, "['A=1']", stage="parse"),
+    Bad("env-int-value", tpl(env={"A": 1}), InvalidGpuRequest, ENV, "{'A': 1}", stage="parse"),
+    Bad("env-null", tpl(env=None), InvalidGpuRequest, ENV, "None", stage="parse"),
+    Bad("image-blank", tpl(image=" "), InvalidGpuRequest, IMAGE, "' '", stage="parse"),
+    Bad("image-not-string", tpl(image=5), InvalidGpuRequest, IMAGE, "5", stage="parse"),
     Bad(
-        "env-not-a-map",
-        {"env": ["A=1"]},
+        "template-not-object", {"template": []}, InvalidGpuRequest, "template", "[]", stage="parse"
+    ),
+    Bad(
+        "template-unknown-key",
+        tpl(labels={"a": "b"}),
         InvalidGpuRequest,
-        "env",
-        "['A=1']",
+        "template.labels",
+        "'labels'",
         stage="parse",
     ),
-    Bad("env-int-value", {"env": {"A": 1}}, InvalidGpuRequest, "env", "{'A': 1}", stage="parse"),
-    Bad("env-null", {"env": None}, InvalidGpuRequest, "env", "None", stage="parse"),
-    Bad("image-blank", {"image": " "}, InvalidGpuRequest, "image", "' '", stage="parse"),
-    Bad("image-not-string", {"image": 5}, InvalidGpuRequest, "image", "5", stage="parse"),
+    # -- shapes before seed 003: refused, saying what replaced them -------------------------
+    Bad(
+        "top-level-driver-config",
+        {"resource_requirements": gpu(), "driver_config": {"reference": {}}},
+        InvalidDriverConfig,
+        "driver_config",
+        "moved to template.driver_config",
+        stage="parse",
+    ),
+    Bad(
+        "top-level-image",
+        {"image": "busybox"},
+        InvalidGpuRequest,
+        "image",
+        "template.image",
+        stage="parse",
+    ),
+    Bad(
+        "top-level-env",
+        {"env": {"A": "1"}},
+        InvalidGpuRequest,
+        "env",
+        "template.env",
+        stage="parse",
+    ),
+    Bad(
+        "seed-001-gpu-device-ids",
+        {"resource_requirements": {"gpu": {"count": 1, "device_ids": ["0"]}}},
+        InvalidGpuRequest,
+        "resource_requirements.gpu.device_ids",
+        "replaced by template.driver_config.<driver>.gpu_device_ids",
+        stage="parse",
+    ),
+    Bad(
+        "seed-001-gpu-device-id",
+        {"resource_requirements": {"gpu": {"device_id": ["0"]}}},
+        InvalidGpuRequest,
+        "resource_requirements.gpu.device_id",
+        "['0']",
+        stage="parse",
+    ),
+    Bad(
+        "seed-001-block-device-ids",
+        request(1, ids=["nvidia.com/gpu=0"], driver="docker", key="device_ids"),
+        InvalidDriverConfig,
+        "template.driver_config.docker.device_ids",
+        "replaced by template.driver_config.docker.gpu_device_ids",
+        driver="docker",
+    ),
     Bad(
         "requirements-not-object",
         {"resource_requirements": 1},
@@ -404,7 +470,7 @@ BAD: list[Bad] = [
         "profile-unsupported",
         block(mig_profile="1g.10gb"),
         UnsupportedGpuRequest,
-        "driver_config.reference.mig_profile",
+        "template.driver_config.reference.mig_profile",
         "'1g.10gb'",
         caps=EXACT,
     ),
@@ -412,7 +478,7 @@ BAD: list[Bad] = [
         "profile-not-text",
         block(mig_profile=7),
         InvalidDriverConfig,
-        "driver_config.reference.mig_profile",
+        "template.driver_config.reference.mig_profile",
         "7",
         caps=EVERYTHING,
     ),
@@ -420,7 +486,7 @@ BAD: list[Bad] = [
         "vendor-unknown",
         block(vendor="matrox"),
         InvalidDriverConfig,
-        "driver_config.reference.vendor",
+        "template.driver_config.reference.vendor",
         "'matrox'",
         caps=EVERYTHING,
     ),
@@ -428,7 +494,7 @@ BAD: list[Bad] = [
         "vendor-unsupported",
         block(vendor="amd"),
         UnsupportedGpuRequest,
-        "driver_config.reference.vendor",
+        "template.driver_config.reference.vendor",
         "'amd'",
         caps=EXACT,
     ),
@@ -436,7 +502,7 @@ BAD: list[Bad] = [
         "profile-of-an-amd-gpu",
         block(mig_profile="1g.10gb", vendor="amd"),
         InvalidDriverConfig,
-        "driver_config.reference.vendor",
+        "template.driver_config.reference.vendor",
         "'amd'",
         caps=EVERYTHING,
     ),
@@ -444,7 +510,7 @@ BAD: list[Bad] = [
         "profile-beside-exact-ids",
         block(mig_profile="1g.10gb", gpu_device_ids=["0"]),
         InvalidDriverConfig,
-        "driver_config.reference.mig_profile",
+        "template.driver_config.reference.mig_profile",
         "'1g.10gb'",
         caps=EVERYTHING,
     ),
@@ -454,13 +520,13 @@ BAD: list[Bad] = [
 def test_sharing_profile_and_vendor_reach_the_plan() -> None:
     data = {
         "resource_requirements": {"gpu": {"count": 2, "sharing": "shared"}},
-        "driver_config": {"reference": {"mig_profile": "1g.10gb"}},
+        "template": {"driver_config": {"reference": {"mig_profile": "1g.10gb"}}},
     }
     plan = validate(data, "reference", EVERYTHING)
     assert plan == GpuPlan(count=2, sharing="shared", mig_profile="1g.10gb")
     amd = validate(block(vendor="amd"), "reference", EVERYTHING)
     assert amd == GpuPlan(count=1, vendor="amd")
-    assert parse_spec(data).to_dict() == {"env": {}, **data}
+    assert parse_spec(data).to_dict() == data
 
 
 def _raise(case: Bad) -> InvalidGpuRequest | UnsupportedGpuRequest:
@@ -472,7 +538,7 @@ def _raise(case: Bad) -> InvalidGpuRequest | UnsupportedGpuRequest:
         return parse_error.value
     spec = parse_spec(case.data)
     with pytest.raises((InvalidGpuRequest, UnsupportedGpuRequest)) as raised:
-        validate_gpu_request(spec, case.driver, case.caps)
+        validate_spec(spec, case.driver, case.caps)
     assert isinstance(raised.value, InvalidGpuRequest | UnsupportedGpuRequest)
     return raised.value
 
@@ -521,10 +587,13 @@ def test_invalid_json_error_keeps_the_text() -> None:
     ("data", "active", "error", "field"),
     [
         pytest.param(
-            {"resource_requirements": gpu(0), "driver_config": {"reference": {"bogus": 1}}},
+            {
+                "resource_requirements": gpu(0),
+                "template": {"driver_config": {"reference": {"bogus": 1}}},
+            },
             "reference",
             InvalidDriverConfig,
-            "driver_config.reference.bogus",
+            "template.driver_config.reference.bogus",
             id="unknown-key-beats-zero-count",
         ),
         pytest.param(
@@ -542,13 +611,6 @@ def test_invalid_json_error_keeps_the_text() -> None:
             id="blank-entry-beats-negative-count",
         ),
         pytest.param(
-            request(0, ids=["0"], driver="docker"),
-            "reference",
-            InvalidDriverConfig,
-            "driver_config",
-            id="other-driver-only-beats-zero-count",
-        ),
-        pytest.param(
             request(10**6, ids=[1]),
             "reference",
             InvalidDriverConfig,
@@ -559,7 +621,7 @@ def test_invalid_json_error_keeps_the_text() -> None:
             request(10**6, ids=["0"], key="cdi_devices"),
             "reference",
             InvalidDriverConfig,
-            "driver_config.reference.cdi_devices",
+            "template.driver_config.reference.cdi_devices",
             id="unknown-alias-beats-huge-count",
         ),
         pytest.param(
@@ -650,13 +712,13 @@ def test_checks_run_in_the_documented_order(
     ("data", "field"),
     [
         pytest.param(
-            {"resource_requirements": {"gpu": 0}, "driver_config": {"reference": 5}},
-            "driver_config.reference",
+            {"resource_requirements": {"gpu": 0}, "template": {"driver_config": {"reference": 5}}},
+            REF,
             id="non-object-block-beats-non-object-gpu",
         ),
         pytest.param(
-            {"resource_requirements": {"gpu": {"count": 0}}, "driver_config": "x"},
-            "driver_config",
+            {"resource_requirements": {"gpu": {"count": 0}}, "template": {"driver_config": "x"}},
+            "template.driver_config",
             id="non-object-envelope-beats-bad-count",
         ),
     ],
@@ -674,10 +736,12 @@ def test_malformed_envelope_is_refused_before_the_count(data: dict[str, Any], fi
     "data",
     [
         pytest.param({}, id="empty-spec"),
-        pytest.param({"image": "busybox", "env": {"A": "1"}}, id="no-requirements"),
+        pytest.param(tpl(image="busybox", env={"A": "1"}), id="no-requirements"),
         pytest.param({"resource_requirements": {}}, id="empty-requirements"),
         pytest.param({"resource_requirements": {"gpu": None}}, id="null-gpu"),
-        pytest.param({"driver_config": {"reference": {}}}, id="empty-reference-block"),
+        pytest.param(
+            {"template": {"driver_config": {"reference": {}}}}, id="empty-reference-block"
+        ),
         pytest.param("{}", id="json-text"),
     ],
 )
@@ -758,11 +822,13 @@ def test_default_request_is_one_gpu() -> None:
         pytest.param(
             {
                 "resource_requirements": gpu(1),
-                "driver_config": {
-                    "reference": {"gpu_device_ids": [UUID_A]},
-                    "docker": {"gpu_device_ids": ["0", "0", "1"], "cdi_devices": []},
-                    "kubernetes": {"node_selector": {"gpu": "h100"}},
-                    "vm": {},
+                "template": {
+                    "driver_config": {
+                        "reference": {"gpu_device_ids": [UUID_A]},
+                        "docker": {"gpu_device_ids": ["0", "0", "1"], "cdi_devices": []},
+                        "kubernetes": {"node_selector": {"gpu": "h100"}},
+                        "vm": {},
+                    }
                 },
             },
             "reference",
@@ -772,9 +838,11 @@ def test_default_request_is_one_gpu() -> None:
         pytest.param(
             {
                 "resource_requirements": gpu(),
-                "driver_config": {
-                    "podman": {"cdi_devices": [UUID_B]},
-                    "reference": {"gpu_device_ids": "not even a list", "bogus": True},
+                "template": {
+                    "driver_config": {
+                        "podman": {"cdi_devices": [UUID_B]},
+                        "reference": {"gpu_device_ids": "not even a list", "bogus": True},
+                    }
                 },
             },
             "podman",
@@ -787,22 +855,23 @@ def test_exact_ids_give_an_exact_plan(data: dict[str, Any], active: str, plan: G
     assert validate(data, active, EXACT) == plan
 
 
-def test_exact_ids_for_other_drivers_are_refused_on_a_count_only_driver() -> None:
-    # The user asked for exact devices; a driver that cannot honour them must not drop them.
+def test_exact_ids_for_other_drivers_make_a_count_request_on_a_count_only_driver() -> None:
+    # Seed 003's gateway hands the kubernetes driver its own block: none, so a count of 2.
     data = {
         "resource_requirements": gpu(2),
-        "driver_config": {"kubernetes": {}, "reference": {"gpu_device_ids": [UUID_A]}},
+        "template": {"driver_config": {"reference": {"gpu_device_ids": [UUID_A, UUID_B]}}},
     }
-    with pytest.raises(InvalidDriverConfig, match="only for reference"):
-        validate(data, "kubernetes", COUNT_ONLY)
+    assert validate(data, "kubernetes", COUNT_ONLY) == GpuPlan(count=2)
 
 
 def test_parsed_spec_keeps_what_was_given() -> None:
     data = {
-        "image": "busybox:1.36",
-        "env": {"A": "1"},
         "resource_requirements": gpu(2),
-        "driver_config": {"reference": {"gpu_device_ids": ["0", "1"]}},
+        "template": {
+            "image": "busybox:1.36",
+            "env": {"A": "1"},
+            "driver_config": {"reference": {"gpu_device_ids": ["0", "1"]}},
+        },
     }
     spec = parse_spec(json.dumps(data))
     assert spec == parse_spec(data)
@@ -819,7 +888,7 @@ def test_parse_keeps_the_raw_count_for_the_validator() -> None:
 
 
 def test_parsed_spec_mappings_are_read_only() -> None:
-    spec = parse_spec({"env": {"A": "1"}, "driver_config": {"reference": {}}})
+    spec = parse_spec(tpl(env={"A": "1"}, driver_config={"reference": {}}))
     with pytest.raises(TypeError):
         spec.env["B"] = "2"  # type: ignore[index]
     with pytest.raises(TypeError):
@@ -830,7 +899,7 @@ def test_parsed_spec_mappings_are_read_only() -> None:
 
 def test_parsed_spec_does_not_alias_the_callers_env() -> None:
     env = {"A": "1"}
-    spec = parse_spec({"env": env})
+    spec = parse_spec(tpl(env=env))
     env["B"] = "2"
     assert dict(spec.env) == {"A": "1"}
 
@@ -838,30 +907,29 @@ def test_parsed_spec_does_not_alias_the_callers_env() -> None:
 def test_parsed_spec_does_not_alias_the_callers_device_ids() -> None:
     ids = ["0"]
     spec = parse_spec(
-        {"resource_requirements": gpu(), "driver_config": {"reference": {"gpu_device_ids": ids}}}
+        {
+            "resource_requirements": gpu(),
+            "template": {"driver_config": {"reference": {"gpu_device_ids": ids}}},
+        }
     )
     ids.append("1")
-    assert validate_gpu_request(spec, "reference", EXACT) == GpuPlan(1, ("0",), REF_IDS)
+    assert validate_spec(spec, "reference", EXACT) == GpuPlan(1, ("0",), REF_IDS)
 
 
-def test_empty_active_block_does_not_hide_other_drivers_ids() -> None:
+def test_an_empty_active_block_is_a_plain_request_whatever_the_others_name() -> None:
     data = {
         "resource_requirements": gpu(),
-        "driver_config": {"reference": {}, "docker": {"gpu_device_ids": ["0"]}},
+        "template": {"driver_config": {"reference": {}, "docker": {"gpu_device_ids": ["0"]}}},
     }
-    with pytest.raises(InvalidDriverConfig) as raised:
-        validate(data, "reference", EXACT)
-    assert "docker" in str(raised.value)
+    assert validate(data, "reference", EXACT) == GpuPlan(count=1)
 
 
 def test_with_gpus_builds_the_same_spec_as_parsing() -> None:
     built = SandboxSpec.with_gpus(2, driver="reference", device_ids=[UUID_A, UUID_B])
     parsed = parse_spec(request(2, ids=[UUID_A, UUID_B]))
-    assert validate_gpu_request(built, "reference", EXACT) == validate_gpu_request(
-        parsed, "reference", EXACT
-    )
-    assert validate_gpu_request(SandboxSpec.with_gpus(), "reference", EXACT) == GpuPlan(1)
-    assert validate_gpu_request(SandboxSpec(), "reference", EXACT) is None
+    assert validate_spec(built, "reference", EXACT) == validate_spec(parsed, "reference", EXACT)
+    assert validate_spec(SandboxSpec.with_gpus(), "reference", EXACT) == GpuPlan(1)
+    assert validate_spec(SandboxSpec(), "reference", EXACT) is None
 
 
 # -- the anchor messages ------------------------------------------------------------------
@@ -920,53 +988,12 @@ def test_anchor_messages_exact_wording() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         (request(0), "gpu count must be greater than 0, got 0"),
         (request(2, ids=["x", "x"]), f"{REF_IDS} contains duplicate device ID 'x'"),
-        (request(3, ids=["x", "y"]), f"gpu count (3) must match {REF_IDS} length (2)"),
+        (request(3, ids=["x", "y"]), f"gpu count (3) must match {REF_IDS} length (2): ['x', 'y']"),
     ]
     for data, message in cases:
         with pytest.raises(InvalidGpuRequest) as raised:
             validate(data, "reference", EXACT)
         assert str(raised.value) == message
-
-
-# -- parse_driver_config_json -------------------------------------------------------------
-
-
-def test_driver_config_json_parses_the_envelope() -> None:
-    config = parse_driver_config_json(
-        json.dumps({"reference": {"gpu_device_ids": ["0"]}, "docker": {}})
-    )
-    assert {name: dict(block) for name, block in config.items()} == {
-        "reference": {"gpu_device_ids": ("0",)},
-        "docker": {},
-    }
-    with pytest.raises(TypeError):
-        config["vm"] = {}  # type: ignore[index]
-    spec = SandboxSpec(gpu=GpuRequest(), driver_config=config)
-    assert validate_gpu_request(spec, "reference", EXACT) == GpuPlan(1, ("0",), REF_IDS)
-
-
-def test_driver_config_json_empty_object() -> None:
-    assert dict(parse_driver_config_json("{}")) == {}
-
-
-@pytest.mark.parametrize(
-    ("text", "field", "shown"),
-    [
-        pytest.param("{nope", "driver_config", "not valid JSON", id="invalid-json"),
-        pytest.param("", "driver_config", "not valid JSON", id="empty-text"),
-        pytest.param('["reference"]', "driver_config", "['reference']", id="a-list"),
-        pytest.param('"podman"', "driver_config", "'podman'", id="a-string"),
-        pytest.param("null", "driver_config", "None", id="null"),
-        pytest.param('{"reference": 1}', "driver_config.reference", "1", id="block-a-number"),
-        pytest.param('{"podman": ["0"]}', "driver_config.podman", "['0']", id="block-a-list"),
-    ],
-)
-def test_driver_config_json_rejects_bad_input(text: str, field: str, shown: str) -> None:
-    with pytest.raises(InvalidDriverConfig) as raised:
-        parse_driver_config_json(text)
-    assert type(raised.value) is InvalidDriverConfig
-    assert raised.value.field == field
-    assert shown in str(raised.value)
 
 
 def test_too_many_ids_is_a_capability_error_before_consistency() -> None:
@@ -976,7 +1003,9 @@ def test_too_many_ids_is_a_capability_error_before_consistency() -> None:
         (["0", "1", "2"], None),
         (["0", "1", "2"], gpu(2)),
     ):
-        data: dict[str, object] = {"driver_config": {"reference": {"gpu_device_ids": ids}}}
+        data: dict[str, object] = {
+            "template": {"driver_config": {"reference": {"gpu_device_ids": ids}}}
+        }
         if gpu_request is not None:
             data["resource_requirements"] = gpu_request
         with pytest.raises(UnsupportedGpuRequest, match="names 3 GPUs"):
@@ -986,14 +1015,14 @@ def test_too_many_ids_is_a_capability_error_before_consistency() -> None:
 @pytest.mark.parametrize("env", [{"": "x"}, {"A=B": "x"}, {"A": 1}])
 def test_env_names_must_be_variable_names(env: dict[str, object]) -> None:
     with pytest.raises(InvalidGpuRequest) as raised:
-        parse_spec({"env": env})
-    assert raised.value.field == "env"
+        parse_spec(tpl(env=env))
+    assert raised.value.field == ENV
 
 
 def test_errors_show_values_as_written_not_frozen() -> None:
     data = {
         "resource_requirements": gpu(),
-        "driver_config": {"reference": {"gpu_device_ids": {"a": "0"}}},
+        "template": {"driver_config": {"reference": {"gpu_device_ids": {"a": "0"}}}},
     }
     with pytest.raises(InvalidDriverConfig) as raised:
         validate(data, "reference", EXACT)
@@ -1005,10 +1034,12 @@ def test_errors_show_values_as_written_not_frozen() -> None:
     "data",
     [
         {},
-        {"image": "busybox", "env": {"A": "1"}, "resource_requirements": {"gpu": {}}},
+        {"resource_requirements": {"gpu": {}}, "template": {"image": "busybox", "env": {"A": "1"}}},
         {
             "resource_requirements": {"gpu": {"count": 2}},
-            "driver_config": {"reference": {"gpu_device_ids": ["0", "GPU-x"]}, "vm": {}},
+            "template": {
+                "driver_config": {"reference": {"gpu_device_ids": ["0", "GPU-x"]}, "vm": {}}
+            },
         },
     ],
 )
@@ -1016,3 +1047,96 @@ def test_to_dict_round_trips(data: dict[str, Any]) -> None:
     spec = parse_spec(data)
     assert parse_spec(spec.to_dict()) == spec
     assert parse_spec(json.dumps(spec.to_dict())) == spec
+
+
+# -- seed 003's shape and the gateway -----------------------------------------------------
+
+SEED_003 = {
+    "resource_requirements": {"gpu": {"count": 1}},
+    "template": {
+        "driver_config": {
+            "docker": {"gpu_device_ids": ["nvidia.com/gpu=0"]},
+            "podman": {"gpu_device_ids": ["nvidia.com/gpu=0"]},
+            "vm": {"gpu_device_ids": ["0000:2d:00.0"]},
+        }
+    },
+}
+"""Seed 003's request, verbatim."""
+
+
+@pytest.mark.parametrize(
+    ("name", "block", "plan"),
+    [
+        ("docker", {"gpu_device_ids": ("nvidia.com/gpu=0",)}, GpuPlan(1, ("nvidia.com/gpu=0",),
+         "template.driver_config.docker.gpu_device_ids")),
+        ("podman", {"gpu_device_ids": ("nvidia.com/gpu=0",)}, GpuPlan(1, ("nvidia.com/gpu=0",),
+         PODMAN_IDS)),
+        ("vm", {"gpu_device_ids": ("0000:2d:00.0",)}, GpuPlan(1, ("0000:2d:00.0",),
+         "template.driver_config.vm.gpu_device_ids")),
+        ("kubernetes", {}, GpuPlan(count=1)),
+        ("reference", {}, GpuPlan(count=1)),
+    ],
+)  # fmt: skip
+def test_the_gateway_hands_each_driver_its_own_block_of_seed_003(
+    name: str, block: dict[str, Any], plan: GpuPlan
+) -> None:
+    request = select(parse_spec(SEED_003), name)
+    assert dict(request.config) == block
+    assert request.to_dict()["driver_config"] == {k: list(v) for k, v in block.items()}
+    caps = COUNT_ONLY if name == "kubernetes" else EXACT
+    assert validate_gpu_request(request, declared(name, caps)) == plan
+
+
+def test_the_driver_request_holds_nothing_of_the_other_blocks() -> None:
+    request = select(parse_spec(SEED_003), "docker")
+    assert request == DriverRequest(
+        "docker",
+        GpuRequest(1),
+        config=parse_spec(SEED_003).driver_config["docker"],
+    )
+    assert "vm" not in json.dumps(request.to_dict())
+
+
+def test_seed_003_round_trips_in_its_own_shape() -> None:
+    spec = parse_spec(json.dumps(SEED_003))
+    assert spec.to_dict() == SEED_003
+    assert parse_spec(spec.to_dict()) == spec
+
+
+def test_a_driver_declares_the_keys_of_its_own_block() -> None:
+    data = {"resource_requirements": gpu(), "template": {"driver_config": {"mine": {"tier": 3}}}}
+    with pytest.raises(InvalidDriverConfig, match="unknown key 'tier'"):
+        validate(data, "mine", EXACT)
+    own = dataclasses.replace(EXACT, config_keys=("tier",))
+    assert validate(data, "mine", own) == GpuPlan(count=1)
+    # Another driver's block may hold it; this driver's block may not, unless it declares it.
+    other = {"resource_requirements": gpu(), "template": {"driver_config": {"mine": {"tier": 3}}}}
+    assert validate(other, "reference", EXACT) == GpuPlan(count=1)
+
+
+def test_a_driver_declares_its_aliases_for_the_device_ids() -> None:
+    data = request(ids=["0"], driver="mine", key="devices")
+    with pytest.raises(InvalidDriverConfig, match="unknown key 'devices'"):
+        validate(data, "mine", EXACT)
+    aliased = dataclasses.replace(EXACT, device_id_aliases=("devices",))
+    plan = validate(data, "mine", aliased)
+    assert plan == GpuPlan(1, ("0",), "template.driver_config.mine.devices")
+
+
+def test_a_driver_from_another_package_judges_its_own_option(tmp_path: Path) -> None:
+    from gpuhost import simulated
+    from gpuhost.host import GpuHost, HostConfig
+    from tests.fake_drivers import TieredDriver
+
+    driver = TieredDriver(
+        GpuHost.open(HostConfig(simulated.setup(tmp_path / "sim", 2).root)), "tiers"
+    )
+    good = {
+        "resource_requirements": gpu(),
+        "template": {"driver_config": {"tiered": {"tier": "batch"}}},
+    }
+    assert driver.plan(select(parse_spec(good), "tiered")) == GpuPlan(count=1)
+    bad = {"resource_requirements": gpu(), "template": {"driver_config": {"tiered": {"tier": 7}}}}
+    with pytest.raises(InvalidDriverConfig) as raised:
+        driver.plan(select(parse_spec(bad), "tiered"))
+    assert raised.value.field == "template.driver_config.tiered.tier"

@@ -85,7 +85,7 @@ def _nothing_taken(driver: VmDriver) -> None:
 def test_more_than_one_gpu_is_refused_before_anything_is_taken(vm_driver: VmDriver) -> None:
     """Count 2, two exact IDs (with and without a count): UnsupportedGpuRequest, no VM."""
     gpus = vm_driver.inventory()
-    ids_field = "driver_config.vm.gpu_device_ids"
+    ids_field = "template.driver_config.vm.gpu_device_ids"
     two = [vm_driver.device_ids(gpus[0])[0], vm_driver.device_ids(gpus[1])[1]]
     for spec, field in (
         (SandboxSpec.with_gpus(2), "resource_requirements.gpu.count"),
@@ -118,7 +118,7 @@ def test_more_than_one_gpu_is_refused_before_anything_is_taken(vm_driver: VmDriv
 def test_bad_exact_ids_name_the_value(vm_driver: VmDriver, device_id: str, message: str) -> None:
     with pytest.raises(UnknownGpuDevice) as refused:
         vm_driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=[device_id]))
-    assert refused.value.field == "driver_config.vm.gpu_device_ids"
+    assert refused.value.field == "template.driver_config.vm.gpu_device_ids"
     assert refused.value.value == device_id
     assert message in str(refused.value)
     _nothing_taken(vm_driver)
