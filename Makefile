@@ -2,7 +2,9 @@
 #   make conformance   run the catalogue against every driver that can run here
 #   make test          the suite's own tests (lint, types, self-tests)
 SHELL := /bin/bash
-PYTHON ?= python3
+# The venv's Python: the system's, which a root-run reference sandbox's unprivileged user can
+# read (a Python under /root it cannot), unless PYTHON names another.
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 BIN := $(VENV)/bin
 SIM_ROOT ?= /run/gpu-sandbox-sim
@@ -24,6 +26,9 @@ CLUSTER := scripts/cluster.sh
 	cluster cluster-stop
 
 $(BIN)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
+	  apt-get -o DPkg::Lock::Timeout=300 update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq python3-venv >/dev/null; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

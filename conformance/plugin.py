@@ -31,7 +31,7 @@ import pytest
 from conformance import requirements
 from conformance.report import Entry, Results, entry, text_table, to_markdown, write
 from drivers import REGISTRY, UnknownDriver, get_driver_class, reap_session
-from drivers.base import Driver, Sandbox
+from drivers.base import Driver, Sandbox, check_session_id
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import DEFAULT_SHARE_LIMIT, Holder
@@ -289,6 +289,10 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     session = config.getoption("--reap")
     if session is None:
         return None
+    try:
+        check_session_id(session)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--reap: {exc}") from None
     settings = _settings(config)
     results = reap_session(settings.host, session, settings.drivers, settings.image)
     for result in results:

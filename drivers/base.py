@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shlex
 import threading
 import uuid
@@ -50,6 +51,20 @@ from gpuhost.validation import validate_gpu_request
 
 DEFAULT_EXEC_TIMEOUT_S = 120.0
 """Long enough for a workload payload to import CUDA libraries on a cold host."""
+SESSION_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+"""A session id: a Kubernetes label value (63 characters at most, letters and digits at each
+end, '-', '_' and '.' between), so that it is safe in a label, a file name, a glob and a
+QEMU -name alike: no '/', no '..' of its own, nothing a shell or a glob reads."""
+
+
+def check_session_id(session_id: str) -> str:
+    """``session_id``, when it is one (``SESSION_ID``); ValueError naming it otherwise."""
+    if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+        raise ValueError(
+            f"invalid session id {session_id!r}: 1 to 63 letters, digits, '-', '_' and '.', "
+            "beginning and ending with a letter or digit"
+        )
+    return session_id
 
 
 @dataclass(frozen=True)
@@ -224,7 +239,7 @@ class Driver(ABC):
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         self.host = host
-        self.session_id = session_id
+        self.session_id = check_session_id(session_id)
         self.image = image
 
     @property

@@ -133,7 +133,12 @@ class ContainerDriver(Driver):
 
     @property
     def url(self) -> str:
-        return os.environ.get(self.url_env) or self.default_url
+        return self.configured_url()
+
+    @classmethod
+    def configured_url(cls) -> str:
+        """The engine's address: ``url_env`` in the environment, else ``default_url``."""
+        return os.environ.get(cls.url_env) or cls.default_url
 
     @property
     def capabilities(self) -> DriverCapabilities:
@@ -233,6 +238,11 @@ class ContainerDriver(Driver):
         process that never used this driver still frees a removed container's GPUs.
         """
         url, _, container_id = holder.ref.rpartition(" ")
+        if url != cls.configured_url():
+            # An address read from the lease file is never connected to (a forged one would
+            # make this process, root perhaps, talk to a socket or start ssh of its choosing):
+            # only the engine this process is configured with can tell.
+            return True
         try:
             return cls.container_exists(url, container_id)
         except Exception:  # engine unreachable or hung: never take a GPU back on a guess

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from drivers.base import write_all
 from drivers.container import (
@@ -46,6 +46,9 @@ class DockerDriver(ContainerDriver):
     default_url = "unix:///var/run/docker.sock"
     cli = "docker"
     cli_url_flag = "host"
+    security_opt: ClassVar[tuple[str, ...]] = ("no-new-privileges",)
+    """No command gains privileges (setuid, file capabilities); docker's masked and
+    read-only /proc paths (/proc/sys among them) stay as they are."""
 
     @classmethod
     def engine_errors(cls) -> tuple[type[Exception], ...]:
@@ -94,7 +97,7 @@ class DockerDriver(ContainerDriver):
             init=True,  # reaps what timed-out execs leave behind
             network_mode="none",
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            security_opt=list(self.security_opt),
             device_requests=devices if request.cdi_devices else None,
             devices=[f"{node.source}:{node.path}:rwm" for node in request.device_nodes] or None,
             mounts=[

@@ -55,8 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import yaml
 
@@ -82,7 +82,7 @@ from gpuhost.errors import (
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
-from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field
+from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field, thawed
 from gpuhost.wait import wait_for
 
 if TYPE_CHECKING:
@@ -100,6 +100,15 @@ SESSION_LABEL = LABEL_PREFIX + "session"
 SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
 DRIVER_LABEL = LABEL_PREFIX + "driver"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpu-sandbox"}
+SECURITY_CONTEXT: Mapping[str, Any] = MappingProxyType(
+    {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,  # no_new_privs in every process of the container
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+)
+"""A sandbox's container: no privilege, no capability, no way to gain one."""
 OPTION_KEYS = ("runtime_class_name", "node_selector", "image")
 """The keys of its own block it reads, beside the common ones: a pod's runtime class, the
 nodes it may go to, the image its container runs."""
@@ -172,11 +181,14 @@ def pod_manifest(
     gpus: int,
     runtime_class_name: str | None = None,
     node_selector: Mapping[str, str] | None = None,
+    security_context: Mapping[str, Any] = MappingProxyType({}),
 ) -> dict[str, Any]:
     """The pod of one sandbox, as the API takes it.
 
-    No service account token, no service links, no privilege, no host namespaces; the GPU
-    limit only when GPUs are asked for (extended resources are requested by their limit).
+    No service account token, no service links, no host namespaces, and its container's
+    ``security_context`` (``SECURITY_CONTEXT`` by default: no privilege, no capability,
+    no-new-privileges, the runtime's default seccomp profile); the GPU limit only when GPUs
+    are asked for (extended resources are requested by their limit).
     """
     container: dict[str, Any] = {
         "name": "sandbox",
@@ -184,7 +196,7 @@ def pod_manifest(
         "imagePullPolicy": "IfNotPresent",
         "command": ["sh", "-c", MAIN_SCRIPT],
         "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
-        "securityContext": {"privileged": False, "allowPrivilegeEscalation": False},
+        "securityContext": thawed(security_context or SECURITY_CONTEXT),
     }
     if gpus:
         container["resources"] = {"limits": {resource: str(gpus)}}
@@ -578,6 +590,7 @@ def _ignore(_: bytes) -> None:
 class KubernetesDriver(Driver):
     name = "kubernetes"
     exhaustion_grace_s = 3.0
+    security_context: ClassVar[Mapping[str, Any]] = SECURITY_CONTEXT
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         super().__init__(host, session_id, image)
@@ -807,6 +820,7 @@ class KubernetesDriver(Driver):
             gpus=count,
             runtime_class_name=block.get("runtime_class_name"),
             node_selector=block.get("node_selector"),
+            security_context=self.security_context,
         )
         try:
             self._ensure_namespace()

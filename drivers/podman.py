@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar
 
 from drivers.base import write_all
 from drivers.container import (
@@ -46,6 +47,9 @@ class PodmanDriver(ContainerDriver):
     default_url = "unix:///run/podman/podman.sock"
     cli = "podman"
     cli_url_flag = "url"
+    security: ClassVar[Mapping[str, object]] = MappingProxyType({"no_new_privileges": True})
+    """No command gains privileges. podman-py's own keyword: it passes ``security_opt`` on
+    as SELinux options, where ``no-new-privileges`` would be dropped unseen."""
 
     @classmethod
     def engine_errors(cls) -> tuple[type[Exception], ...]:
@@ -82,7 +86,7 @@ class PodmanDriver(ContainerDriver):
             init=True,  # reaps what timed-out execs leave behind
             network_mode="none",
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            **self.security,
             devices=[
                 *request.cdi_devices,
                 *(f"{node.source}:{node.path}:rwm" for node in request.device_nodes),

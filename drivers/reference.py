@@ -10,18 +10,25 @@ private ``/dev`` holding only its GPUs' ``/dev/nvidia<minor>`` nodes and the con
 nodes, private ``/tmp``, ``/var/tmp`` and ``/run``, no network, its own pid namespace,
 and (on a real host) a ``/proc/driver/nvidia/gpus`` listing only its GPUs. It lives until
 closed and dies with the process that created it. Commands run inside it with ``nsenter``
-into its namespaces.
+into its namespaces, with no capabilities and no-new-privileges.
+
+Run by root, bwrap (as root) builds the sandbox's namespaces and mounts, and everything in it
+runs as the unprivileged host uid and gid ``SANDBOX_UID``, with the groups of its device
+nodes: no host file of root's and no kernel setting is its to read or change. Run by another
+user, bwrap maps that user into a user namespace of the sandbox's own.
 GPUs come from the host-wide lease registry: exclusive, lowest free first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -64,6 +71,8 @@ REAP_TIMEOUT_S = 10.0
 VERSION_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
+SANDBOX_UID = 1_999_000_000
+"""The host uid and gid of a root-run sandbox: no account's, and no other process's."""
 _BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
 """The environment of the host-side bwrap and nsenter: fixed, never the user's."""
@@ -124,7 +133,7 @@ class ReferenceDriver(Driver):
         # The very command line a sandbox gets, so that a bwrap lacking an option it uses
         # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.
         trial = subprocess.run(
-            [*self.bwrap_argv("probe", ()), "true"],
+            [*_with_parents(self.bwrap_argv("probe", ())), *self.init_prefix(()), "true"],
             capture_output=True,
             text=True,
             check=False,
@@ -182,10 +191,12 @@ class ReferenceDriver(Driver):
 
     def _start(self, launch: Launch, argv: list[str]) -> ReferenceSandbox:
         """Start bwrap and wait for its init to say it is ready."""
+        argv = _with_parents(argv)
         info_read, info_write = os.pipe()
         try:
+            init = [*self.init_prefix(launch.gpus), *self.init_argv]
             process = spawn(
-                [*argv, "--info-fd", str(info_write), *self.init_argv],
+                [*argv, "--info-fd", str(info_write), *init],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -231,6 +242,49 @@ class ReferenceDriver(Driver):
             self.sandbox_env(launch.env),
             self.host.leases,
             self.close_timeout_s,
+            self.as_sandbox_user(launch.gpus),
+        )
+
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+        """``setpriv``'s options that make a process of the sandbox its host user.
+
+        Run by root: ``SANDBOX_UID``, with the groups of the device nodes of ``gpus`` that
+        are not root's (a DRI node's render group); otherwise none: bwrap maps the caller.
+        """
+        if os.geteuid() != 0:
+            return []
+        groups = sorted({gid for node in self.device_nodes(gpus) if (gid := _gid(node)) > 0})
+        return [
+            f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+        ]  # fmt: skip
+
+    def init_prefix(self, gpus: Sequence[GpuDevice]) -> list[str]:
+        """What runs the sandbox's first process as its commands run (root-run: setpriv)."""
+        if os.geteuid() != 0:
+            return []
+        privileges = ReferenceSandbox.exec_privileges
+        return ["setpriv", *self.as_sandbox_user(gpus), *privileges, "--"]
+
+    def sees(self, path: Path) -> bool:
+        """Whether the sandbox's host user can read ``path`` bound in: always, unless run by root.
+
+        A root-run sandbox is nobody on the host: ``path`` must be readable and searchable
+        by others (the directories above it need not: bwrap binds it as root).
+        """
+        if os.geteuid() != 0:
+            return True
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            return False
+        return bool(mode & stat.S_IROTH and mode & stat.S_IXOTH)
+
+    def device_nodes(self, gpus: Sequence[GpuDevice]) -> list[str]:
+        """The host paths of the nodes a sandbox of ``gpus`` gets: theirs and the control ones."""
+        control = self.host.control_nodes if any(g.vendor == "nvidia" for g in gpus) else ()
+        return list(
+            dict.fromkeys(n.source for n in [*control, *(n for g in gpus for n in g.nodes)])
         )
 
     def sandboxes(self, session_id: str) -> list[str]:
@@ -255,16 +309,22 @@ class ReferenceDriver(Driver):
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         """The bwrap command line of a sandbox holding ``gpus``."""
+        namespaces = [
+            "--unshare-all", "--unshare-user", "--disable-userns",
+        ] if os.geteuid() != 0 else [
+            # No user namespace: bwrap, as root, binds what root can reach; the sandbox's
+            # first process takes its user from setpriv, these two capabilities with it.
+            "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup-try", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+        ]  # fmt: skip
         argv = [
             tool("bwrap"),
             *self.root_argv(),
             "--dev", "/dev",
             "--proc", "/proc",
-            "--tmpfs", "/tmp",
-            "--tmpfs", "/run",
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
+            "--perms", "1777", "--tmpfs", "/tmp",
+            "--perms", "1777", "--tmpfs", "/run",
+            *namespaces,
             "--die-with-parent",
             "--new-session",
             "--chdir", "/tmp",
@@ -279,9 +339,9 @@ class ReferenceDriver(Driver):
         for source, target in self.host.tool_mounts:
             argv += ["--ro-bind", str(source), target]
         # The suite's own Python, which the workload lane runs inside, after the tmpfs mounts
-        # (a checkout under /tmp keeps its venv there).
+        # (a checkout under /tmp keeps its venv there), where the sandbox's user can read it.
         for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
-            if not _under_system_dirs(prefix):
+            if not _under_system_dirs(prefix) and self.sees(prefix):
                 argv += ["--ro-bind", str(prefix), str(prefix)]
         # Device binds come after `--dev /dev`, which would otherwise hide them. NVIDIA's
         # control nodes go with NVIDIA devices; a node two devices share is bound once.
@@ -304,7 +364,7 @@ class ReferenceDriver(Driver):
                 argv += ["--tmpfs", str(secret)]
             elif secret.exists():
                 argv += ["--ro-bind", "/dev/null", str(secret)]
-        return [*argv, "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
+        return [*argv, "--perms", "1777", "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
         path = ":".join([*self.host.tool_path, _BASE_PATH])
@@ -313,6 +373,11 @@ class ReferenceDriver(Driver):
 
 class ReferenceSandbox(Sandbox):
     """A running bubblewrap sandbox: its pid 1 holds its leases."""
+
+    exec_privileges: ClassVar[tuple[str, ...]] = (
+        "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
+    )  # fmt: skip
+    """What ``setpriv`` takes from every command: new privileges, and every capability."""
 
     def __init__(
         self,
@@ -325,6 +390,7 @@ class ReferenceSandbox(Sandbox):
         env: Mapping[str, str],
         leases: LeaseRegistry,
         close_timeout_s: float = CLOSE_TIMEOUT_S,
+        as_sandbox_user: Sequence[str] = (),
     ) -> None:
         # The holder is the sandbox's pid 1: the kernel ends it only after every other
         # process of the sandbox, so while it runs, the GPUs may still be in use. bwrap itself
@@ -336,6 +402,7 @@ class ReferenceSandbox(Sandbox):
         self._child_start = child_start
         self._env = env
         self._close_timeout_s = close_timeout_s
+        self._as_sandbox_user = list(as_sandbox_user)
 
     @property
     def pid(self) -> int:
@@ -375,12 +442,21 @@ class ReferenceSandbox(Sandbox):
         # the sandbox's environment and no capabilities: root in the sandbox's user
         # namespace could otherwise unmount and re-bind device nodes and so reach GPUs it was
         # not given. nsenter itself runs with the host's fixed environment, never the user's
-        # (an LD_PRELOAD there would run in the host's namespaces as the host user).
+        # (an LD_PRELOAD there would run in the host's namespaces as the host user), and as
+        # the sandbox's host user, whose credentials it keeps inside (never root's).
         marker, needle = exec_marker()
         env = {**self._env, EXEC_MARKER_ENV: marker}
+        enter = [tool("nsenter"), f"--target={self._child_pid}", *NAMESPACES, "--root", "--wd"]
+        userns = -1
+        if os.geteuid() != 0:  # the sandbox's user namespace, which its user owns
+            try:
+                userns = _sandbox_userns(self._child_pid)
+            except OSError as exc:
+                self._check_running(argv)
+                raise SandboxExecError(f"cannot enter sandbox {self.id}: {exc}") from exc
+            enter += [f"--user=/proc/self/fd/{userns}", "--preserve-credentials"]
         command = [
-            tool("nsenter"), f"--target={self._child_pid}", "--all", "--root", "--wd",
-            "setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--",
+            *enter, "setpriv", *self._as_sandbox_user, *self.exec_privileges, "--",
             "env", "-i", *(f"{key}={value}" for key, value in env.items()), *argv,
         ]  # fmt: skip
         try:
@@ -391,11 +467,15 @@ class ReferenceSandbox(Sandbox):
                 stderr=stderr,
                 env=HOST_ENV,
                 start_new_session=True,
+                pass_fds=(userns,) if userns >= 0 else (),
             )
         except OSError as exc:
             raise SandboxExecError(
                 f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
             ) from exc
+        finally:
+            if userns >= 0:
+                os.close(userns)
         try:
             output, errors = process.communicate(timeout=timeout)
         except BaseException as exc:
@@ -478,6 +558,69 @@ def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -
         if device.exists():
             argv += ["--tmpfs", str(device.resolve())]
     return argv
+
+
+NAMESPACES = ("--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup")
+"""The sandbox's namespaces a command enters besides its user namespace: all it has (not
+the host's time namespace, which only root may enter)."""
+_NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
+
+
+def _sandbox_userns(child_pid: int) -> int:
+    """An open fd of the user namespace that owns the sandbox's other namespaces.
+
+    bwrap's --disable-userns runs the sandbox's pid 1 in a nested user namespace, which owns
+    none of them: a command joins its parent, where the sandbox's host user (its owner) may
+    enter the rest with its own credentials, and where no further user namespace can be made.
+    """
+    nested = os.open(f"/proc/{child_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fcntl.ioctl(nested, _NS_GET_PARENT)
+    finally:
+        os.close(nested)
+
+
+_DEST_OPS = ("--dev", "--proc", "--tmpfs", "--dir", "--mqueue")
+_SOURCE_DEST_OPS = ("--ro-bind", "--bind", "--dev-bind", "--symlink", "--ro-bind-try")
+_ARITY = {
+    **dict.fromkeys(_SOURCE_DEST_OPS, 2), **dict.fromkeys(_DEST_OPS, 1), "--setenv": 2,
+    "--perms": 1, "--remount-ro": 1, "--chdir": 1, "--cap-add": 1, "--cap-drop": 1,
+    "--info-fd": 1, "--uid": 1, "--gid": 1, "--unsetenv": 1, "--hostname": 1,
+}  # fmt: skip
+
+
+def _with_parents(argv: list[str]) -> list[str]:
+    """``argv`` with each directory above a mount point made first, searchable by anyone.
+
+    bwrap run by root makes the directories it needs 0700: a sandbox whose user is not root
+    could not reach /var/tmp, its device nodes under /dev/nvidia-caps, or its Python.
+    """
+    made = {Path("/")}
+    out = argv[:1]
+    i = 1
+    while i < len(argv):
+        start = i
+        if argv[i] == "--perms":  # it applies to the operation after it
+            i += 2
+        op = argv[i]
+        arity = _ARITY.get(op, 0)
+        if op in _DEST_OPS or op in _SOURCE_DEST_OPS:
+            dest = Path(argv[i + arity])
+            for parent in reversed(dest.parents):
+                if parent not in made:
+                    out += ["--perms", "0755", "--dir", str(parent)]
+                    made.add(parent)
+            made.add(dest)
+        out += argv[start : i + 1 + arity]
+        i += 1 + arity
+    return out
+
+
+def _gid(path: str) -> int:
+    try:
+        return os.stat(path).st_gid
+    except OSError:
+        return 0
 
 
 def tool(name: str) -> str:

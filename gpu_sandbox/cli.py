@@ -504,7 +504,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def reap_command(args: argparse.Namespace) -> int:
     from drivers import REGISTRY, Reaped, UnknownDriver, get_driver_class, reap_session
+    from drivers.base import check_session_id
 
+    try:
+        check_session_id(args.session)
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
     named = [name.strip() for option in args.driver for name in option.split(",") if name.strip()]
     drivers: dict[str, type[Driver]] = {}
     failed: list[Reaped] = []
@@ -581,7 +586,10 @@ def _driver(args: argparse.Namespace, session: str) -> Driver:
         cls = get_driver_class(args.driver)
     except UnknownDriver as exc:
         raise CommandError(f"--driver={args.driver}: {exc}", EXIT_USAGE) from None
-    return cls(_host(args), session, args.image)
+    try:
+        return cls(_host(args), session, args.image)
+    except ValueError as exc:  # the session id (--session)
+        raise CommandError(f"--session: {exc}", EXIT_USAGE) from None
 
 
 def _host_config(args: argparse.Namespace) -> Any:

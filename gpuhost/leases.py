@@ -29,6 +29,7 @@ GPU's instances is leased the GPU is busy, and the other way round.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -58,6 +59,15 @@ LIVENESS_ENTRY_POINTS = "gpu_sandbox.liveness"
 
 class LeaseFileCorrupt(RuntimeError):
     """The lease file of this boot holds something that is not a lease list."""
+
+
+class LeaseFileLocked(RuntimeError):
+    """Another process held the lease file's lock past the registry's bound."""
+
+
+LOCK_TIMEOUT_S = 30.0
+"""How long a registry waits for the lease file's lock. A grant holds it for milliseconds
+(liveness checks run outside it); a holder for longer is stuck, or hostile."""
 
 
 @dataclass(frozen=True)
@@ -125,12 +135,27 @@ def process_running(pid: int, start: str) -> bool:
     """Whether the process ``pid`` that started at ``start`` still runs (a zombie does not)."""
     try:
         fields = _stat_fields(pid)
-    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting as we read
-        return False
-    except OSError:  # hidden from us (/proc mounted with hidepid): not proof it is gone
+    except (FileNotFoundError, ProcessLookupError):  # gone, exiting as we read, or hidden
+        return _hidden(pid)
+    except OSError:  # hidden from us (/proc mounted with hidepid=noaccess): not proof it is gone
         return True
     # A zombie has exited: its parent just has not reaped it yet.
     return fields[19] == start and fields[0] not in ("Z", "X")
+
+
+def _hidden(pid: int) -> bool:
+    """Whether a process that /proc does not list exists all the same.
+
+    Another user's, under ``hidepid=invisible``; its start time cannot be read, so it counts
+    as the holder.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return False  # ours, and /proc does not list it: it was exiting as we read
 
 
 _CHECKS: dict[str, LivenessCheck] = {PROCESS: _process_alive}
@@ -188,8 +213,9 @@ def _dead(leases: Collection[Lease]) -> set[Lease]:
 class LeaseRegistry:
     """The lease registry of one host (or of one simulated host) in ``directory``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         self.directory = directory
+        self.lock_timeout_s = lock_timeout_s
         self._path = directory / LEASE_FILE
         self._thread_lock = threading.Lock()
         self._file_fd = -1
@@ -305,16 +331,45 @@ class LeaseRegistry:
         """
         with self._thread_lock:
             fd = self._fd()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._flock(fd)
             try:
                 yield
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def _flock(self, fd: int) -> None:
+        """``flock(LOCK_EX)`` within ``lock_timeout_s``; ``LeaseFileLocked`` naming the holder."""
+        deadline = time.monotonic() + self.lock_timeout_s
+        interval = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holders = _lock_holders(fd) or "a process not seen here"
+                    raise LeaseFileLocked(
+                        f"the lease file {self._path} was locked for over "
+                        f"{self.lock_timeout_s:g} s by {holders}"
+                    ) from None
+                time.sleep(interval)
+                interval = min(interval * 2, 0.05)
+
     def _fd(self) -> int:
         if self._file_fd < 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file_fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            # Never through a link: a user who can write the directory would have root
+            # open, and make world-writable below, a file of their choosing.
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            try:
+                self._file_fd = os.open(self._path, flags, 0o666)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise LeaseFileCorrupt(
+                    f"{self._path} is a symbolic link ({os.readlink(self._path)!r}): refusing "
+                    "to open it; remove it"
+                ) from None
             # Every user's sandboxes share one host's GPUs, so every user may take leases.
             with contextlib.suppress(PermissionError):
                 os.fchmod(self._file_fd, 0o666)
@@ -466,6 +521,27 @@ def lease_from_dict(item: Mapping[str, Any]) -> Lease:
 
 _BOOT_ID: str | None = None
 _BOOT_TIME: float | None = None
+
+
+def _lock_holders(fd: int) -> str:
+    """The processes /proc/locks says hold a lock on the file of ``fd``: pid, user, command."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return ""
+    pids = sorted({f[4] for line in lines if len(f := line.split()) > 5 and f[5] == inode})
+    held = []
+    for pid in pids:
+        try:
+            uid = os.stat(f"/proc/{pid}").st_uid
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            held.append(f"pid {pid}")
+            continue
+        held.append(f"pid {pid} (uid {uid}: {command.decode(errors='replace').strip()[:120]})")
+    return ", ".join(held)
 
 
 def boot_id() -> str:

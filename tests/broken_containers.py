@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import ClassVar
 
 from drivers.container import (
@@ -264,6 +265,27 @@ class PodmanReapSeesRunningOnly(ReapSeesRunningOnly, PodmanDriver):
     pass
 
 
+class DockerGainsPrivileges(BrokenContainerDriver, DockerDriver):
+    """Containers without ``no-new-privileges``: a setuid program in one gains privileges."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    security_opt = ()
+
+
+class DockerSystemPathsUnconfined(BrokenContainerDriver, DockerDriver):
+    """``systempaths=unconfined``: /proc/sys writable, the host's kernel settings with it."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    security_opt = ("no-new-privileges", "systempaths=unconfined")
+
+
+class PodmanNoNewPrivilegesAsSecurityOpt(BrokenContainerDriver, PodmanDriver):
+    """Asks for no-new-privileges in ``security_opt``, which podman-py sends as SELinux options."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    security = MappingProxyType({"security_opt": ["no-new-privileges"]})
+
+
 ALL: tuple[type[BrokenContainerDriver], ...] = (
     DockerRoundRobinDefault,
     DockerAllOnDefault,
@@ -287,4 +309,7 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     PodmanAliasesFirstWins,
     DockerLivenessRunningOnly,
     PodmanLivenessRunningOnly,
+    DockerGainsPrivileges,
+    DockerSystemPathsUnconfined,
+    PodmanNoNewPrivilegesAsSecurityOpt,
 )

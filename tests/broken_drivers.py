@@ -422,6 +422,7 @@ class SharedScratch(BrokenDriver):
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         shared = Path(tempfile.gettempdir()) / f"gpu-sandbox-shared-{self.session_id}"
         shared.mkdir(exist_ok=True)
+        shared.chmod(0o1777)  # writable by the sandbox's user, whoever it is
         argv = super().bwrap_argv(sandbox_id, gpus)
         return _with_binds(argv, "--bind", str(shared), "/tmp")
 
@@ -846,6 +847,7 @@ class SessionSharedShm(BrokenDriver):
         argv = super().bwrap_argv(sandbox_id, gpus)
         shm = self.host.leases.directory.parent / f"shm-{self.session_id}"
         shm.mkdir(exist_ok=True)
+        shm.chmod(0o1777)
         return _with_binds(argv, "--bind", str(shm), "/dev/shm")
 
 
@@ -1114,6 +1116,7 @@ class GpuSandboxesShareCudaCache(BrokenDriver):
             return argv
         cache = self.host.leases.directory.parent / f"cuda-cache-{self.session_id}"
         cache.mkdir(exist_ok=True)
+        cache.chmod(0o1777)
         shared = ["--bind", str(cache), "/var/cache/cuda", "--setenv", "CUDA_CACHE_PATH",
                   "/var/cache/cuda"]  # fmt: skip
         return _with_binds(argv, *shared)
@@ -1565,9 +1568,11 @@ class SharesHostNetwork(BrokenDriver):
     BREAKS = "SANDBOX-NS-01"
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
-        argv = super().bwrap_argv(sandbox_id, gpus)
-        at = argv.index("--unshare-all") + 1
-        return [*argv[:at], "--share-net", *argv[at:]]
+        argv = [arg for arg in super().bwrap_argv(sandbox_id, gpus) if arg != "--unshare-net"]
+        if "--unshare-all" in argv:
+            at = argv.index("--unshare-all") + 1
+            argv = [*argv[:at], "--share-net", *argv[at:]]
+        return argv
 
 
 # -- the fourth round of outside broken drivers ---------------------------------------------
@@ -1766,9 +1771,16 @@ class HostProcBound(BrokenDriver):
 
 
 class EtcSecretsVisible(BrokenDriver):
-    """Binds the host's /etc read-only with no mask over its credentials: "read-only is safe"."""
+    """Binds /etc read-only with no mask over its credentials, and runs as the host's root.
+
+    "Read-only is safe", and root inside "for the tools that need it": without the mask an
+    unprivileged sandbox user could still not read /etc/shadow; as root it can.
+    """
 
     BREAKS = "SANDBOX-FS-01"
+
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+        return []
 
     def root_argv(self) -> list[str]:
         argv = super().root_argv()
@@ -1792,8 +1804,33 @@ class SharedGpuMpsDir(BrokenDriver):
             return super().start(launch)
         mps = self.host.leases.directory.parent / "mps" / launch.gpus[0].uuid
         mps.mkdir(parents=True, exist_ok=True)
+        mps.chmod(0o1777)
         argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
         return self._start(launch, _with_binds(argv, "--bind", str(mps), "/tmp/nvidia-mps"))
+
+
+class SandboxRunsAsHostRoot(BrokenDriver):
+    """Run by root, the sandbox's root is the host's (bwrap's own mapping): kernel settings too."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+        return []
+
+
+class ExecGainsPrivileges(BrokenDriver):
+    """Commands run without no-new-privileges: a setuid program in the sandbox gains privileges."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.__class__ = _PrivilegedExecSandbox
+        return sandbox
+
+
+class _PrivilegedExecSandbox(ReferenceSandbox):
+    exec_privileges = ("--bounding-set=-all", "--inh-caps=-all")
 
 
 ALL: tuple[type[BrokenDriver], ...] = tuple(

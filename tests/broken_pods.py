@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from drivers.base import Launch, Sandbox
@@ -69,9 +70,17 @@ class LeakyDevicePlugin(BrokenPodDriver):
         self.resource = LEAKY_RESOURCE
 
 
+class PodGainsPrivileges(BrokenPodDriver):
+    """Pods allow privilege escalation: a setuid program in one gains privileges."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    security_context = MappingProxyType({"privileged": False, "allowPrivilegeEscalation": True})
+
+
 ALL: tuple[type[BrokenPodDriver], ...] = (
     DeviceIdsIgnored,
     PendingReportedAsSuccess,
     GpuLimitDropped,
     LeakyDevicePlugin,
+    PodGainsPrivileges,
 )

@@ -54,17 +54,19 @@ class GpuNeverReclaimed(BrokenVmDriver):
         return super().start(launch)
 
 
-class AgentReportsSuccess(BrokenVmDriver):
-    """The guest's agent reports exit code 0 for every command, failed or not."""
+class PlantedAgent(BrokenVmDriver):
+    """The guest's agent changed by ``plant``, in an initrd of its own beside the image's."""
 
-    BREAKS = "SANDBOX-EXEC-01"
+    def plant(self, agent: str) -> str:
+        raise NotImplementedError
 
     def guest_initrd(self, image: GuestImage) -> Path:
         base = super().guest_initrd(image)
-        planted = self.run_dir / "initrd" / f"agent-reports-success-{base.stat().st_mtime_ns}.cpio"
+        name = type(self).__name__
+        planted = self.run_dir / "initrd" / f"{name}-{base.stat().st_mtime_ns}.cpio"
         if not planted.exists():
-            agent = re.sub(r'echo "done \$id \$rc ', 'echo "done $id 0 ', GUEST_AGENT.read_text())
-            assert agent != GUEST_AGENT.read_text(), "the agent's answer line moved"
+            agent = self.plant(GUEST_AGENT.read_text())
+            assert agent != GUEST_AGENT.read_text(), f"{name}: the agent's line moved"
             with tempfile.TemporaryDirectory() as tmp:
                 target = Path(tmp) / "sbin" / "gpu-sandbox-agent"
                 target.parent.mkdir()
@@ -78,6 +80,24 @@ class AgentReportsSuccess(BrokenVmDriver):
         return planted
 
 
+class AgentReportsSuccess(PlantedAgent):
+    """The guest's agent reports exit code 0 for every command, failed or not."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+
+    def plant(self, agent: str) -> str:
+        return re.sub(r'echo "done \$id \$rc ', 'echo "done $id 0 ', agent)
+
+
+class AgentGainsPrivileges(PlantedAgent):
+    """The guest's agent runs commands without no-new-privileges."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+
+    def plant(self, agent: str) -> str:
+        return agent.replace("exec setsid setpriv --nnp sh", "exec setsid sh")
+
+
 class BindingNotRestored(VfioBinder):
     """Releasing a group forgets it but leaves its functions bound to vfio-pci."""
 
@@ -85,4 +105,9 @@ class BindingNotRestored(VfioBinder):
         pass
 
 
-ALL: tuple[type[BrokenVmDriver], ...] = (SecondGpuAccepted, GpuNeverReclaimed, AgentReportsSuccess)
+ALL: tuple[type[BrokenVmDriver], ...] = (
+    SecondGpuAccepted,
+    GpuNeverReclaimed,
+    AgentReportsSuccess,
+    AgentGainsPrivileges,
+)

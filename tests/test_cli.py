@@ -738,3 +738,16 @@ def test_gpu_sharing_and_the_envelope_from_the_command_line(sim: simulated.Simul
         gpu_sandbox("spec", f"--sim-root={sim.root}", "--gpu-sharing=sharde"),
         "--gpu-sharing=sharde: gpu sharing must be one of exclusive, shared, got 'sharde'",
     )
+
+
+@pytest.mark.parametrize("session", ["../..", "a/b", "x b", "-rf", "a" * 64, "*", "a\nb"])
+def test_session_ids_that_could_reach_a_path_or_a_glob_are_refused(
+    sim: simulated.SimulatedHost, session: str
+) -> None:
+    """A session id goes into file names, globs, labels and QEMU's -name: a label value only."""
+    assert_refused(
+        gpu_sandbox("reap", f"--sim-root={sim.root}", "--", session), "invalid session id"
+    )
+    assert_refused(
+        gpu_sandbox("run", f"--session={session}", f"--sim-root={sim.root}"), "invalid session id"
+    )

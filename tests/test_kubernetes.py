@@ -79,7 +79,12 @@ def test_the_pod_asks_for_its_gpus_by_limit_and_nothing_more() -> None:
     (container,) = spec["containers"]
     assert container["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
     assert container["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
-    assert container["securityContext"] == {"privileged": False, "allowPrivilegeEscalation": False}
+    assert container["securityContext"] == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"gpu": "h100"}
     assert spec["restartPolicy"] == "Never"

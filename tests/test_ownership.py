@@ -8,6 +8,8 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -27,12 +29,14 @@ from gpuhost.leases import (
     Holder,
     Lease,
     LeaseFileCorrupt,
+    LeaseFileLocked,
     LeaseOwner,
     LeaseRegistry,
     boot_id,
     boot_time,
     liveness_check,
 )
+from gpuhost.wait import wait_for
 
 ME = Holder.process(os.getpid())
 
@@ -660,3 +664,93 @@ def test_releasing_one_shared_holder_leaves_the_others(registry: LeaseRegistry) 
 
 def held_by(registry: LeaseRegistry, gpu: GpuDevice) -> list[str]:
     return [lease.sandbox_id for lease in registry.leases() if lease.gpu_uuid == gpu.uuid]
+
+
+HIDEPID_USER = "65534"
+"""An unprivileged user that holds nothing: it looks at root's holder through hidepid."""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a /proc of its own, another user")
+@pytest.mark.parametrize("client", ["python", "sh"])
+def test_a_holder_hidden_by_hidepid_is_alive(tmp_path: Path, client: str) -> None:
+    """Under hidepid=invisible another user's live holder is alive, not gone (a second grant)."""
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        ref = f"{ownership.boot_id()}:{holder.pid}:{ownership.process_start_time(holder.pid)}"
+        if client == "python":
+            check = [sys.executable, "-c", f"from gpuhost.leases import _process_alive, Holder; "
+                     f"print(_process_alive(Holder('process', {ref!r})))"]  # fmt: skip
+        else:
+            script = Path(__file__).parent.parent / "gpuhost" / "gpu-lease"
+            functions = script.read_text().split("\nprocess_alive() {", 1)[1].split("\n}\n")[0]
+            check = ["sh", "-c", f'boot=$(cat /proc/sys/kernel/random/boot_id)\n'
+                     f"process_alive() {{{functions}\n}}\n"
+                     f"process_alive {ref} && echo True || echo False"]  # fmt: skip
+        seen = subprocess.run(
+            ["unshare", "--mount", "--propagation=private", "sh", "-c",
+             'mount -t proc -o hidepid=invisible proc /proc && exec "$@"', "sh",
+             "setpriv", f"--reuid={HIDEPID_USER}", f"--regid={HIDEPID_USER}", "--clear-groups",
+             "--", *check],
+            capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        )  # fmt: skip
+        assert seen.stdout.strip() == "True", seen
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_an_engine_address_read_from_the_lease_file_is_never_connected_to(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged holder names a socket of its writer's: the liveness check does not call it."""
+    from drivers import get_driver_class
+    from drivers.container import ContainerDriver
+
+    cls = get_driver_class(engine)
+    assert issubclass(cls, ContainerDriver)
+    monkeypatch.setenv(cls.url_env, f"unix://{tmp_path / 'configured.sock'}")
+    planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    planted.bind(str(tmp_path / "planted.sock"))
+    planted.listen(1)
+    planted.settimeout(0.5)
+    for address in (f"unix://{tmp_path / 'planted.sock'}", "ssh://root@127.0.0.1"):
+        assert cls.holder_alive(Holder(cls.holder_kind, f"{address} 0123456789ab")) is True
+        with pytest.raises(TimeoutError):
+            planted.accept()
+    planted.close()
+
+
+def test_a_lease_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A user who can write the registry's directory must not make root open their file."""
+    target = tmp_path / "target"
+    target.write_text("{}")
+    target.chmod(0o600)
+    (tmp_path / "leases").mkdir()
+    (tmp_path / "leases" / "leases.json").symlink_to(target)
+    with pytest.raises(LeaseFileCorrupt, match="is a symbolic link"):
+        LeaseRegistry(tmp_path / "leases").leases()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert target.read_text() == "{}"
+
+
+def test_a_lock_held_too_long_fails_the_grant_naming_its_holder(tmp_path: Path) -> None:
+    """Another process that keeps the lease file locked stops grants for a bound, not forever."""
+    registry = LeaseRegistry(tmp_path / "leases", lock_timeout_s=0.5)
+    registry.leases()  # the file exists
+    holder = subprocess.Popen(["flock", str(tmp_path / "leases" / "leases.json"), "sleep", "60"])
+    try:
+        wait_for(
+            lambda: f" {holder.pid} " in Path("/proc/locks").read_text(),
+            lambda held: held,
+            timeout_s=10,
+            what="flock(1) to take the lock",
+        )
+        started = time.monotonic()
+        with pytest.raises(LeaseFileLocked, match=rf"over 0.5 s by pid {holder.pid} \(uid"):
+            registry.acquire([_gpu(0)], owner("a"), count=1)
+        assert time.monotonic() - started < 5
+    finally:
+        holder.kill()
+        holder.wait()

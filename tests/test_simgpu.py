@@ -849,3 +849,31 @@ def test_the_dri_probe_reports_the_gpus_whose_nodes_are_bound(mig_host: Simulate
         ]
     )
     assert amd0.pci_bus_id not in result.stdout
+
+
+def test_teardown_removes_only_its_own_cdi_registration(tmp_path: Path) -> None:
+    """``cdi/registered`` is in the host's directory: a path put there is not root's to delete."""
+    from gpuhost import simulated
+
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "root-only.conf"
+    victim.write_text("not the host's")
+    same_name = elsewhere / f"{simulated.REGISTERED_PREFIX}0123abcd.yaml"
+    same_name.write_text("another spec")
+    link = cdi_dir / f"{simulated.REGISTERED_PREFIX}feedbeef.yaml"
+    link.symlink_to(victim)
+    for planted in (victim, same_name, link):
+        host = simulated.setup(tmp_path / "sim", 2, cdi_dir=cdi_dir)
+        own = Path((host.root / "cdi" / "registered").read_text().strip())
+        (host.root / "cdi" / "registered").write_text(f"{planted}\n")
+        simulated.teardown(host.root)
+        assert planted.is_symlink() or planted.exists(), f"teardown removed {planted}"
+        own.unlink()
+    assert victim.read_text() == "not the host's"
+    host = simulated.setup(tmp_path / "sim", 2, cdi_dir=cdi_dir)
+    own = Path((host.root / "cdi" / "registered").read_text().strip())
+    simulated.teardown(host.root)
+    assert not own.exists(), "its own registration stayed"

@@ -73,7 +73,17 @@ def workload_python(pytestconfig: pytest.Config, driver: Driver) -> str:
     chosen: str | None = pytestconfig.getoption("--workload-python")
     if chosen:
         return chosen
-    return sys.executable if isinstance(driver, ReferenceDriver) else "python3"
+    if not isinstance(driver, ReferenceDriver):
+        return "python3"
+    prefix = Path(sys.prefix).resolve()
+    if not driver.sees(prefix) or not driver.sees(Path(sys.base_prefix).resolve()):
+        pytest.skip(
+            f"needed this Python ({sys.base_prefix}) readable by a root-run reference "
+            f"sandbox's unprivileged user (found: a directory above it closed to others); "
+            "run the suite from a venv of /usr/bin/python3 (make venv does), or name one "
+            "with --workload-python"
+        )
+    return sys.executable
 
 
 @pytest.fixture

@@ -424,8 +424,29 @@ def teardown(root: Path = DEFAULT_ROOT) -> None:
         raise SimulatedHostError(f"refusing to remove {root}: not a simulated GPU host")
     registration = root / "cdi" / "registered"
     if registration.is_file():
-        Path(registration.read_text().strip()).unlink(missing_ok=True)
+        _unregister(Path(registration.read_text().strip()), root)
     shutil.rmtree(root)
+
+
+def _unregister(registered: Path, root: Path) -> None:
+    """Remove the host's CDI registration: only a file of ours, named as ``setup`` names it.
+
+    The path is read from the host's own directory, which its maker may have changed: a
+    file of another name, a link, or one whose spec is not this host's stays where it is.
+    """
+    if not re.fullmatch(rf"{re.escape(REGISTERED_PREFIX)}[0-9a-f]+\.yaml", registered.name):
+        return
+    try:
+        with open(registered, "rb", opener=_no_follow) as spec:
+            ours = spec.read() == (root / "cdi" / "nvidia-sim.yaml").read_bytes()
+    except OSError:  # gone, a link (ELOOP), unreadable: not ours to remove
+        return
+    if ours:
+        registered.unlink(missing_ok=True)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def sweep(base: Path) -> list[Path]:
