@@ -278,8 +278,9 @@ spawn() {
 
 make_certs() {
   local pki=$STATE/pki
-  [ -f "$pki/admin.crt" ] && return 0
+  [ -f "$pki/etcd-client.crt" ] && return 0
   mkdir -p "$pki"
+  chmod 700 "$pki"
   (
     cd "$pki"
     openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 30 \
@@ -291,6 +292,7 @@ make_certs() {
         printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$3" >"$1.ext"
         ext=(-extfile "$1.ext")
       fi
+      chmod 600 "$1.key"
       openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 30 \
         -out "$1.crt" "${ext[@]}" 2>/dev/null
       rm -f "$1.csr" "$1.ext"
@@ -300,6 +302,10 @@ make_certs() {
     # One client identity in system:masters for the admin, the controllers and the kubelet:
     # a test cluster of one node, reachable from this machine only.
     cert admin "/O=system:masters/CN=admin"
+    # etcd answers only a client with a certificate of this CA (the apiserver's), over TLS:
+    # on plain http any local user could read every secret of the cluster.
+    cert etcd "/CN=etcd" "DNS:localhost,IP:127.0.0.1"
+    cert etcd-client "/CN=kube-apiserver-etcd-client" "DNS:kube-apiserver-etcd-client"
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
   )
@@ -323,20 +329,29 @@ current-context: gpu-sandbox
 EOF
 }
 
-etcd_ready() { curl -sf "http://127.0.0.1:$ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"'; }
+etcd_ready() {
+  local pki=$STATE/pki
+  curl -sf --cacert "$pki/ca.crt" --cert "$pki/etcd-client.crt" --key "$pki/etcd-client.key" \
+    "https://127.0.0.1:$ETCD_PORT/health" 2>/dev/null | grep -q '"health":"true"'
+}
 apiserver_ready() { kubectl get --raw /readyz --request-timeout=2s >/dev/null 2>&1; }
 containerd_ready() { ctr_ version >/dev/null 2>&1; }
 
 start_control_plane() {
   local bin=$STATE/bin pki=$STATE/pki pid
   pid=$(spawn etcd etcd --name gpu-sandbox --data-dir "$STATE/etcd" \
-    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls http://127.0.0.1:12380 --initial-advertise-peer-urls http://127.0.0.1:12380 \
-    --initial-cluster gpu-sandbox=http://127.0.0.1:12380 --unsafe-no-fsync)
+    --listen-client-urls "https://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls "https://127.0.0.1:$ETCD_PORT" \
+    --cert-file "$pki/etcd.crt" --key-file "$pki/etcd.key" \
+    --client-cert-auth --trusted-ca-file "$pki/ca.crt" \
+    --listen-peer-urls https://127.0.0.1:12380 --initial-advertise-peer-urls https://127.0.0.1:12380 \
+    --peer-cert-file "$pki/etcd.crt" --peer-key-file "$pki/etcd.key" \
+    --peer-client-cert-auth --peer-trusted-ca-file "$pki/ca.crt" \
+    --initial-cluster gpu-sandbox=https://127.0.0.1:12380 --unsafe-no-fsync)
   wait_for etcd etcd_ready "$pid"
   pid=$(spawn kube-apiserver "$bin/kube-apiserver" \
-    --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+    --etcd-servers "https://127.0.0.1:$ETCD_PORT" --etcd-cafile "$pki/ca.crt" \
+    --etcd-certfile "$pki/etcd-client.crt" --etcd-keyfile "$pki/etcd-client.key" \
     --bind-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
     --service-cluster-ip-range "$SERVICE_CIDR" \
     --client-ca-file "$pki/ca.crt" \
@@ -391,7 +406,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = "/usr/lib/cni"
     conf_dir = "$STATE/cni/net.d"
 EOF
-  # A bridge of its own on a private range; no masquerade: pods need no way out.
+  # A bridge of its own on a private range, with no address on the host's side and no
+  # route: a pod reaches neither the host nor anything beyond it (the runtime needs an eth0;
+  # exec and logs go through the kubelet, not the pod's network).
   cat >"$STATE/cni/net.d/10-$NET_NAME.conflist" <<EOF
 {
   "cniVersion": "0.4.0",
@@ -400,13 +417,12 @@ EOF
     {
       "type": "bridge",
       "bridge": "$BRIDGE",
-      "isGateway": true,
+      "isGateway": false,
       "ipMasq": false,
-      "hairpinMode": true,
+      "hairpinMode": false,
       "ipam": {
         "type": "host-local",
         "ranges": [[{"subnet": "$POD_CIDR"}]],
-        "routes": [{"dst": "0.0.0.0/0"}],
         "dataDir": "$STATE/cni/ipam"
       }
     }

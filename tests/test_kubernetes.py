@@ -9,6 +9,7 @@ xdist group, one after the other.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import subprocess
@@ -501,3 +502,40 @@ def test_the_node_annotation_carries_each_gpu_with_its_device_node(tmp_path: Pat
     assert [[(n.path, n.major, n.minor) for n in g.nodes] for g in published] == [
         [(n.path, n.major, n.minor) for n in g.nodes] for g in whole
     ]
+
+
+LOCAL_CLUSTER = Path("/run/gpu-sandbox-cluster")
+"""scripts/cluster.sh's state: its etcd and its network are the suite's own to check."""
+
+
+def test_the_local_clusters_etcd_answers_only_the_apiservers_certificate(
+    cluster_driver: KubernetesDriver,
+) -> None:
+    """On plain http, or without a client certificate, any local user read every secret."""
+    if cluster_driver.cluster.kubeconfig != str(LOCAL_CLUSTER / "kubeconfig"):
+        pytest.skip(f"not the local cluster ({cluster_driver.cluster.kubeconfig})")
+    pki = LOCAL_CLUSTER / "pki"
+    key = base64.b64encode(b"/registry/").decode()
+    ask = ["curl", "-s", "--max-time", "5", "-X", "POST", "-d", f'{{"key": "{key}"}}']
+    answers = {
+        name: subprocess.run([*ask, *extra, url], capture_output=True, text=True, check=False)
+        for name, extra, url in [
+            ("plain http", [], "http://127.0.0.1:12379/v3/kv/range"),
+            ("no client certificate", ["-k"], "https://127.0.0.1:12379/v3/kv/range"),
+            ("the apiserver's", ["--cacert", f"{pki}/ca.crt", "--cert", f"{pki}/etcd-client.crt",
+                                 "--key", f"{pki}/etcd-client.key"],
+             "https://127.0.0.1:12379/v3/kv/range"),
+        ]
+    }  # fmt: skip
+    assert '"header"' in answers["the apiserver's"].stdout, answers["the apiserver's"]
+    for name in ("plain http", "no client certificate"):
+        assert '"header"' not in answers[name].stdout, f"etcd answered {name}: {answers[name]}"
+
+
+def test_a_pod_has_no_route_out(cluster_driver: KubernetesDriver) -> None:
+    """A pod reaches neither the host nor anything beyond it: no default route, no gateway."""
+    if cluster_driver.cluster.kubeconfig != str(LOCAL_CLUSTER / "kubeconfig"):
+        pytest.skip(f"not the local cluster ({cluster_driver.cluster.kubeconfig})")
+    with cluster_driver.create(SandboxSpec()) as sandbox:
+        routes = sandbox.exec(["ip", "route"]).check().stdout
+    assert "default" not in routes, routes

@@ -27,6 +27,7 @@ from gpuhost.simulated import (
     DGX_BUSES,
     MEMORY_MIB,
     MODEL,
+    NODE_GID,
     SANDBOX_SHARE,
     UVM_MAJOR,
     SimulatedHost,
@@ -157,7 +158,7 @@ def test_device_nodes_have_nvidias_numbers(host: SimulatedHost) -> None:
         st = os.stat(host.root / "dev" / f"nvidia{minor}")
         assert stat.S_ISCHR(st.st_mode)
         assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (NVIDIA_MAJOR, minor)
-        assert stat.S_IMODE(st.st_mode) == 0o666
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, NODE_GID)
     expected = {
         "nvidiactl": (NVIDIA_MAJOR, NVIDIACTL_MINOR),
         "nvidia-uvm": (UVM_MAJOR, 0),
@@ -877,3 +878,38 @@ def test_teardown_removes_only_its_own_cdi_registration(tmp_path: Path) -> None:
     own = Path((host.root / "cdi" / "registered").read_text().strip())
     simulated.teardown(host.root)
     assert not own.exists(), "its own registration stayed"
+
+
+_KMSG = 0o600 | stat.S_IFCHR
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: device nodes, another user's files")
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        pytest.param(lambda root: _replace(root, lambda p: p.symlink_to("/dev/kmsg")),
+                     "is a symbolic link", id="node-a-link"),
+        pytest.param(lambda root: _replace(root, lambda p: os.mknod(p, _KMSG, os.makedev(1, 11))),
+                     "is the character device 1:11", id="node-another-device"),
+        pytest.param(lambda root: (root / "dev").chmod(0o777), "no one else may write",
+                     id="dev-writable-by-others"),
+        pytest.param(lambda root: os.chown(root / "share" / "bin", 65534, 65534),
+                     "of uid 65534", id="tools-of-another-user"),
+    ],
+)  # fmt: skip
+def test_a_simulated_host_another_user_could_change_is_refused(
+    tmp_path: Path, change: Any, said: str
+) -> None:
+    """Its nodes become sandboxes' devices: /dev/kmsg or a disk under a GPU's name never."""
+    from gpuhost import simulated
+
+    host = simulated.setup(tmp_path / "sim", 2)
+    change(host.root)
+    with pytest.raises(SimulatedHostError, match=said):
+        simulated.load(host.root)
+
+
+def _replace(root: Path, make: Any) -> None:
+    """A GPU's node made anew by ``make``."""
+    (root / "dev" / "nvidia1").unlink()
+    make(root / "dev" / "nvidia1")

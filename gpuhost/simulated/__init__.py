@@ -371,13 +371,64 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
         )
     position = {gpu.uuid: index for index, gpu in enumerate(ordered)}
     migs.sort(key=lambda mig: (position[mig.parent_uuid or ""], mig.mig_index))
-    return SimulatedHost(
+    host = SimulatedHost(
         root=root,
         gpus=ordered,
         cdi_kind=kind,
         mig_devices=tuple(migs),
         dri_gpus=_load_dri(root),
     )
+    _check_trusted(host)
+    return host
+
+
+_TRUSTED_DIRS = ("", "dev", "dev/dri", "dev/nvidia-caps", "cdi", "share", "share/bin")
+"""The host's directories whose files become a sandbox's devices and tools."""
+
+
+def _check_trusted(host: SimulatedHost) -> None:
+    """Refuse a host that another user could have changed: its nodes are handed to sandboxes.
+
+    Its directories must be real directories of root's (or of the user running the suite)
+    that no one else may write, and each device node a character device of its own major and
+    minor: not a link, nor another device (a disk, /dev/kmsg) under a GPU's name.
+    """
+    trusted = {0, os.geteuid()}
+    for name in _TRUSTED_DIRS:
+        path = host.root / name
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in trusted or st.st_mode & 0o022:
+            raise SimulatedHostError(
+                f"refusing the simulated host {host.root}: {path} is "
+                f"{_described(st)}; it must be a directory of root's that no one else may write"
+            )
+    devices = (*host.gpus, *host.mig_devices, *host.dri_gpus)
+    for node in dict.fromkeys([*host.control_nodes, *(n for gpu in devices for n in gpu.nodes)]):
+        try:
+            st = os.lstat(node.source)
+        except FileNotFoundError:
+            continue
+        expected = os.makedev(node.major, node.minor)
+        if not stat.S_ISCHR(st.st_mode) or st.st_rdev != expected or st.st_uid not in trusted:
+            raise SimulatedHostError(
+                f"refusing the simulated host {host.root}: {node.source} is {_described(st)}, "
+                f"not the character device {node.major}:{node.minor} of root's it must be"
+            )
+
+
+def _described(st: os.stat_result) -> str:
+    kind = (
+        "a symbolic link" if stat.S_ISLNK(st.st_mode)
+        else "a directory" if stat.S_ISDIR(st.st_mode)
+        else f"the character device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        if stat.S_ISCHR(st.st_mode)
+        else "a block device" if stat.S_ISBLK(st.st_mode)
+        else "a file"
+    )  # fmt: skip
+    return f"{kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
 def _load_dri(root: Path) -> tuple[GpuDevice, ...]:
@@ -555,13 +606,20 @@ def _minor(position: int, count: int) -> int:
     return (position + (count + 1) // 2) % count
 
 
+NODE_GID = 1_999_000_001
+"""The group of the simulated nodes, mode 0660: root, and the sandboxes given them (a root-run
+reference sandbox gets its nodes' groups), may open them; no other local user. Their majors
+are the real drivers' (the suite tells NVIDIA's nodes by them): on a host where those drivers
+are loaded, they open real devices, so a GPU host is never simulated by the suite."""
+
+
 def _mknod(path: Path, major: int, minor: int) -> None:
     try:
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.mknod(path, 0o660 | stat.S_IFCHR, os.makedev(major, minor))
     except PermissionError as exc:
         raise SimulatedHostError(
             f"cannot create the character device {path} ({major}:{minor}): {exc}; "
             "setting up a simulated GPU host needs root (CAP_MKNOD)"
         ) from None
-    # mknod's mode is filtered by the umask; the nodes must be usable by any sandbox user.
-    path.chmod(0o666)
+    os.chown(path, 0, NODE_GID)
+    path.chmod(0o660)  # mknod's mode is filtered by the umask
