@@ -34,7 +34,7 @@ from drivers import REGISTRY, UnknownDriver, get_driver_class, reap_session
 from drivers.base import Driver, Sandbox, check_session_id
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import DEFAULT_SHARE_LIMIT, Holder
+from gpuhost.leases import DEFAULT_SHARE_LIMIT, Holder, lock_holders
 from gpuhost.spec import SandboxSpec
 
 
@@ -217,12 +217,17 @@ def _one_run_at_a_time(config: pytest.Config, state_dir: Path) -> None:
     hosts need no such lock: each run has its own.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "run.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # never through a link
+    fd = os.open(state_dir / "run.lock", flags, 0o666)
     config.add_cleanup(lambda: os.close(fd))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        sys.stderr.write(f"waiting for another conformance run on this host ({state_dir})\n")
+        # Another run may take many minutes: wait, saying who holds the host.
+        holders = lock_holders(fd) or "a process not seen here"
+        sys.stderr.write(
+            f"waiting for another conformance run on this host ({state_dir}): {holders}\n"
+        )
         fcntl.flock(fd, fcntl.LOCK_EX)
 
 

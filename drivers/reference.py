@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import select
@@ -53,7 +54,7 @@ from gpuhost.leases import (
     process_running,
     process_start_time,
 )
-from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_marked
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_if, kill_marked
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
@@ -292,9 +293,8 @@ class ReferenceDriver(Driver):
 
     def reap(self, session_id: str) -> list[str]:
         found = _bwrap_processes(session_id)
-        for _, pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for sandbox_id, pid in found:
+            kill_if(pid, functools.partial(_is_sandbox, session_id=session_id, sandbox=sandbox_id))
 
         # SIGKILL is delivered asynchronously: wait until the processes are really gone.
         wait_for(
@@ -632,11 +632,32 @@ def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
     """(sandbox id, pid) of every bwrap process stamped with ``session_id``."""
     found = []
     for pid, cmdline in each_process("cmdline"):
-        argv = cmdline.split(b"\0")
-        if not argv[0].endswith(b"bwrap"):
-            continue
-        args = [arg.decode(errors="replace") for arg in argv]
-        pairs = {args[i + 1]: args[i + 2] for i, arg in enumerate(args[:-2]) if arg == "--setenv"}
-        if pairs.get(SESSION_ENV) == session_id and SANDBOX_ENV in pairs:
-            found.append((pairs[SANDBOX_ENV], pid))
+        sandbox_id = _stamped(cmdline, session_id)
+        if sandbox_id is not None:
+            found.append((sandbox_id, pid))
     return found
+
+
+def _bwrap_sandbox(pid: int, session_id: str) -> str | None:
+    """The sandbox id of ``pid``, when it is a bwrap process of ``session_id``."""
+    try:
+        return _stamped(Path(f"/proc/{pid}/cmdline").read_bytes(), session_id)
+    except OSError:
+        return None
+
+
+def _is_sandbox(pid: int, session_id: str, sandbox: str) -> bool:
+    return _bwrap_sandbox(pid, session_id) == sandbox
+
+
+def _stamped(cmdline: bytes, session_id: str) -> str | None:
+    argv = cmdline.split(b"\0")
+    if not argv[0].endswith(b"bwrap"):
+        return None
+    args = [arg.decode(errors="replace") for arg in argv]
+    pairs = {args[i + 1]: args[i + 2] for i, arg in enumerate(args[:-2]) if arg == "--setenv"}
+    return (
+        pairs[SANDBOX_ENV]
+        if pairs.get(SESSION_ENV) == session_id and SANDBOX_ENV in pairs
+        else None
+    )

@@ -347,7 +347,7 @@ class LeaseRegistry:
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    holders = _lock_holders(fd) or "a process not seen here"
+                    holders = lock_holders(fd) or "a process not seen here"
                     raise LeaseFileLocked(
                         f"the lease file {self._path} was locked for over "
                         f"{self.lock_timeout_s:g} s by {holders}"
@@ -523,7 +523,7 @@ _BOOT_ID: str | None = None
 _BOOT_TIME: float | None = None
 
 
-def _lock_holders(fd: int) -> str:
+def lock_holders(fd: int) -> str:
     """The processes /proc/locks says hold a lock on the file of ``fd``: pid, user, command."""
     st = os.fstat(fd)
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -47,6 +47,33 @@ def marked_processes(needle: bytes) -> list[int]:
     return [pid for pid, environ in each_process("environ") if needle in environ.split(b"\0")]
 
 
+def kill_if(pid: int, still_it: Callable[[int], bool]) -> None:
+    """SIGKILL ``pid`` if, once it is pinned by a pidfd, ``still_it(pid)`` says it is the one.
+
+    A pid found by a listing may be reused by another process before the signal: the pidfd
+    names one process for good, and the check after opening it reads that very process.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if still_it(pid):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+def has_mark(pid: int, needle: bytes) -> bool:
+    """Whether the process ``pid``'s environment holds ``needle``."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return needle in environ.split(b"\0")
+
+
 def kill_marked(needle: bytes, timeout_s: float = KILL_MARKED_TIMEOUT_S) -> None:
     """SIGKILL every process carrying ``needle``, again and again until none is left."""
     deadline = time.monotonic() + timeout_s
@@ -55,6 +82,5 @@ def kill_marked(needle: bytes, timeout_s: float = KILL_MARKED_TIMEOUT_S) -> None
         if not found:
             return
         for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            kill_if(pid, lambda pid: has_mark(pid, needle))
         time.sleep(0.02)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -169,3 +170,19 @@ def test_the_suites_python_stays_visible_from_under_tmp(
         write = sandbox.exec(["touch", str(prefix / "bin" / "new")])
     assert seen == "venv\n"
     assert write.returncode != 0, "the suite's venv must be read-only inside"
+
+
+def test_a_found_pid_is_killed_only_if_it_is_still_the_one_found() -> None:
+    """Reaps and timeouts pin a pid with a pidfd, then check it: a reused pid is left alone."""
+    from gpuhost.procfs import has_mark, kill_if
+
+    marked = subprocess.Popen(["sleep", "60"], env={"GPU_SANDBOX_EXEC": "ours"})
+    other = subprocess.Popen(["sleep", "60"], env={"GPU_SANDBOX_EXEC": "someone-elses"})
+    try:
+        for process in (marked, other):
+            kill_if(process.pid, lambda pid: has_mark(pid, b"GPU_SANDBOX_EXEC=ours"))
+        assert marked.wait(5) == -9
+        assert other.poll() is None, "a process that is not the one found was killed"
+    finally:
+        other.kill()
+        other.wait()
