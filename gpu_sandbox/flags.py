@@ -33,7 +33,7 @@ from typing import Any
 
 from drivers import REGISTRY
 from gpuhost.errors import GpuCountMismatch, InvalidDriverConfig, InvalidGpuRequest, RequestError
-from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, SandboxSpec, block_field, parse_spec
+from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, block_field
 
 REQUEST_FLAGS = (
     "--gpu",
@@ -107,13 +107,6 @@ def spec_dict(
     if template:
         spec["template"] = template
     return spec
-
-
-def spec_from_flags(
-    flags: GpuFlags, driver: str, id_keys: Sequence[str] = (DEVICE_IDS_KEY,)
-) -> SandboxSpec:
-    """``spec_dict``, parsed: the shape every driver shares is checked, not the GPU request."""
-    return parse_spec(spec_dict(flags, driver, id_keys))
 
 
 def flag_of(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpu_sandbox.flags import GpuFlags, flag_of, spec_dict, spec_from_flags
+from gpu_sandbox.flags import GpuFlags, flag_of, spec_dict
 from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -24,7 +24,7 @@ from gpuhost.errors import (
     RequestError,
     UnsupportedGpuRequest,
 )
-from gpuhost.spec import DriverCapabilities, GpuPlan, SandboxSpec, select
+from gpuhost.spec import DriverCapabilities, GpuPlan, parse_spec, select
 from gpuhost.validation import validate_gpu_request
 
 EXACT = DriverCapabilities(max_gpus_per_sandbox=4, exact_ids=True, mig_profiles=True)
@@ -45,8 +45,11 @@ def envelope(config: Any) -> dict[str, Any]:
     return {"template": {"driver_config": config}}
 
 
-def validate(spec: SandboxSpec, caps: DriverCapabilities) -> GpuPlan | None:
-    return validate_gpu_request(select(spec, "reference"), caps)
+def validate(flags: GpuFlags, caps: DriverCapabilities) -> GpuPlan | None:
+    """What the reference driver's validation says of the request the flags make."""
+    return validate_gpu_request(
+        select(parse_spec(spec_dict(flags, "reference")), "reference"), caps
+    )
 
 
 MAPPINGS = [
@@ -180,12 +183,12 @@ def test_the_envelope_is_told_by_driver_names_the_active_one_included() -> None:
 
 def test_the_envelopes_other_blocks_reach_no_driver() -> None:
     flags = GpuFlags(gpu=True, driver_config_json='{"docker": {"gpu_device_ids": ["x"]}}')
-    assert validate(spec_from_flags(flags, "reference"), EXACT) == GpuPlan(count=1)
+    assert validate(flags, EXACT) == GpuPlan(count=1)
 
 
 def test_valid_flags_make_the_plan_the_rules_describe() -> None:
     def plan(flags: GpuFlags) -> GpuPlan | None:
-        return validate(spec_from_flags(flags, "reference"), EXACT)
+        return validate(flags, EXACT)
 
     assert plan(GpuFlags()) is None
     assert plan(GpuFlags(gpu=True)) == GpuPlan(count=1)
@@ -304,7 +307,7 @@ def test_each_error_is_the_request_models_and_names_its_flag(
     flag: str,
 ) -> None:
     with pytest.raises(RequestError) as raised:
-        validate(spec_from_flags(flags, "reference"), caps)
+        validate(flags, caps)
     assert type(raised.value) is error
     assert raised.value.field == field
     assert message in str(raised.value)
