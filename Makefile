@@ -26,9 +26,13 @@ CLUSTER := scripts/cluster.sh
 	cluster cluster-stop
 
 $(BIN)/.installed: pyproject.toml
-	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
-	  apt-get -o DPkg::Lock::Timeout=300 update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq python3-venv >/dev/null; }
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get -o DPkg::Lock::Timeout=300 update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq python3-venv >/dev/null; \
+	  else \
+	    echo "$(PYTHON) cannot make a venv: sudo apt-get install python3-venv, or make PYTHON=..." >&2; exit 1; \
+	  fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
