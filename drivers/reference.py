@@ -44,7 +44,7 @@ from drivers.base import (
     Launch,
     Sandbox,
 )
-from gpuhost.devices import GpuDevice
+from gpuhost.devices import DeviceNode, GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from gpuhost.leases import (
     PROCESS,
@@ -254,7 +254,8 @@ class ReferenceDriver(Driver):
         """
         if os.geteuid() != 0:
             return []
-        groups = sorted({gid for node in self.device_nodes(gpus) if (gid := _gid(node)) > 0})
+        nodes = self.device_nodes(gpus)
+        groups = sorted({gid for node in nodes if (gid := _gid(node.source)) > 0})
         return [
             f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
@@ -281,12 +282,10 @@ class ReferenceDriver(Driver):
             return False
         return bool(mode & stat.S_IROTH and mode & stat.S_IXOTH)
 
-    def device_nodes(self, gpus: Sequence[GpuDevice]) -> list[str]:
-        """The host paths of the nodes a sandbox of ``gpus`` gets: theirs and the control ones."""
+    def device_nodes(self, gpus: Sequence[GpuDevice]) -> list[DeviceNode]:
+        """The nodes a sandbox of ``gpus`` gets, each once; NVIDIA's control nodes too."""
         control = self.host.control_nodes if any(g.vendor == "nvidia" for g in gpus) else ()
-        return list(
-            dict.fromkeys(n.source for n in [*control, *(n for g in gpus for n in g.nodes)])
-        )
+        return list(dict.fromkeys([*control, *(n for gpu in gpus for n in gpu.nodes)]))
 
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
@@ -343,10 +342,8 @@ class ReferenceDriver(Driver):
         for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
             if not _under_system_dirs(prefix) and self.sees(prefix):
                 argv += ["--ro-bind", str(prefix), str(prefix)]
-        # Device binds come after `--dev /dev`, which would otherwise hide them. NVIDIA's
-        # control nodes go with NVIDIA devices; a node two devices share is bound once.
-        control = self.host.control_nodes if any(g.vendor == "nvidia" for g in gpus) else ()
-        for node in dict.fromkeys([*control, *(n for gpu in gpus for n in gpu.nodes)]):
+        # Device binds come after `--dev /dev`, which would otherwise hide them.
+        for node in self.device_nodes(gpus):
             argv += ["--dev-bind", node.source, node.path]
         argv += _real_gpu_masks(self.host.devices, gpus)
         return [*argv, "--remount-ro", "/"]
@@ -638,16 +635,12 @@ def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
     return found
 
 
-def _bwrap_sandbox(pid: int, session_id: str) -> str | None:
-    """The sandbox id of ``pid``, when it is a bwrap process of ``session_id``."""
-    try:
-        return _stamped(Path(f"/proc/{pid}/cmdline").read_bytes(), session_id)
-    except OSError:
-        return None
-
-
 def _is_sandbox(pid: int, session_id: str, sandbox: str) -> bool:
-    return _bwrap_sandbox(pid, session_id) == sandbox
+    """Whether ``pid`` is the bwrap process of ``sandbox`` of ``session_id``."""
+    try:
+        return _stamped(Path(f"/proc/{pid}/cmdline").read_bytes(), session_id) == sandbox
+    except OSError:
+        return False
 
 
 def _stamped(cmdline: bytes, session_id: str) -> str | None:
