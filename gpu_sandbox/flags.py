@@ -87,7 +87,12 @@ def spec_dict(
     JSON, IDs come from both ``--gpu-device`` and the block, an ``--env`` is not KEY=VALUE.
     """
     spec: dict[str, Any] = {}
-    if flags.gpu or flags.gpu_count is not None or flags.gpu_sharing or flags.gpu_devices:
+    if (
+        flags.gpu
+        or flags.gpu_count is not None
+        or flags.gpu_sharing is not None
+        or flags.gpu_devices
+    ):
         gpu: dict[str, Any] = {}
         if flags.gpu_count is not None:
             gpu["count"] = flags.gpu_count

@@ -290,6 +290,11 @@ ERRORS = [
         id="sharing-misspelt",
     ),
     pytest.param(
+        GpuFlags(gpu_sharing=""), EXACT, InvalidGpuSharing,
+        "resource_requirements.gpu.sharing", "gpu sharing must be one of exclusive, shared, got ''",
+        "--gpu-sharing=''", id="sharing-empty-is-refused-not-dropped",
+    ),
+    pytest.param(
         GpuFlags(gpu_sharing="shared"), EXACT, UnsupportedGpuRequest,
         "resource_requirements.gpu.sharing", "does not share GPUs", "--gpu-sharing=shared",
         id="sharing-unsupported",
