@@ -570,7 +570,9 @@ def _request(args: argparse.Namespace, flags: GpuFlags, driver: Driver) -> Any:
         text = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise CommandError(f"--request={args.request}: cannot read {source}: {reason}", 2) from None
+        raise CommandError(
+            f"--request={args.request}: cannot read {source}: {reason}", EXIT_USAGE
+        ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
