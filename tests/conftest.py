@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from gpuhost import simulated
 
 pytest_plugins = ["pytester"]
+
+# The property tests: `make test` runs a short pass, derandomized so that a red run is the
+# same red run again; `make fuzz` (HYPOTHESIS_PROFILE=nightly) a long random one.
+settings.register_profile(
+    "ci",
+    max_examples=300,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile(
+    "nightly",
+    max_examples=20_000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture
@@ -18,3 +39,9 @@ def sim_host(tmp_path: Path) -> Iterator[simulated.SimulatedHost]:
     host = simulated.setup(tmp_path / "sim", 8)
     yield host
     simulated.teardown(host.root)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "fuzz: a property test of bad input (make fuzz runs these long)"
+    )
