@@ -16,7 +16,6 @@ import pytest
 from conformance.observe import BOOT_ID
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
-from gpuhost.leases import LEASE_FILE
 from gpuhost.spec import SHARED, SandboxSpec
 
 ENGINE_STATE = (
@@ -88,12 +87,13 @@ def _private_places(driver: Driver) -> dict[Path, bool]:
 
     True: nor any part of it. A part of a home may be a program's (a Python installed under
     ~/.pyenv that a sandbox runs), a part of the registry's directory a sandbox's own (the
-    keepalive FIFO of a container); the lease file and the engines' sockets are no sandbox's.
+    keepalive FIFO of a container); the lease files and the engines' sockets are no sandbox's.
     """
     registry = driver.host.leases.directory
     whole = [*_homes(), Path("/var/tmp"), registry]
+    private = [*registry.glob("leases.*.json"), driver.host.leases.path]
     sockets = [Path(socket) for socket in ENGINE_SOCKETS if os.path.exists(socket)]
-    return {**dict.fromkeys(whole, False), **dict.fromkeys([registry / LEASE_FILE, *sockets], True)}
+    return {**dict.fromkeys(whole, False), **dict.fromkeys([*private, *sockets], True)}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from importlib import resources
+from pathlib import Path
 from uuid import uuid4
 
 import pytest
@@ -33,7 +34,6 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.host import GpuHost
 from gpuhost.leases import (
-    LEASE_FILE,
     PROCESS,
     Holder,
     LeaseOwner,
@@ -238,8 +238,8 @@ def test_a_lease_file_of_an_older_client_holds_its_gpus(
         }
         for gpu in held
     ]
-    driver.host.leases.leases()  # makes the registry's file, with the protocol's mode
-    fd = os.open(driver.host.leases.directory / LEASE_FILE, os.O_RDWR)
+    driver.host.leases.leases()  # makes this user's file, with the protocol's mode
+    fd = os.open(driver.host.leases.path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         if (text := os.read(fd, 1 << 20).strip()) and json.loads(text).get("leases"):
@@ -264,6 +264,15 @@ def test_a_lease_file_of_an_older_client_holds_its_gpus(
         driver.host.leases.release(sandbox_id)
 
 
+@contextmanager
+def _opened_directory(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 LOCK_HELD_S = 1.0
 """How long the test holds the registry's lock while a create waits for it."""
 
@@ -272,12 +281,12 @@ LOCK_HELD_S = 1.0
 def test_a_create_waits_while_another_client_holds_the_registry_lock(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
-    """Every grant MUST hold flock on the registry's file: none while another client holds it."""
+    """Every grant MUST hold flock on the registry's directory: none while another client does."""
     # flock and POSIX record locks (lockf, fcntl F_SETLK) do not see each other on Linux: a
     # driver that locks the file another way races every other client of the protocol.
-    driver.host.leases.leases()  # makes the registry's file, with the protocol's mode
+    driver.host.leases.leases()  # makes the registry's directory, with the protocol's mode
     with (
-        (driver.host.leases.directory / LEASE_FILE).open("rb") as registry,
+        _opened_directory(driver.host.leases.directory) as registry,
         ThreadPoolExecutor(1) as pool,
     ):
         fcntl.flock(registry, fcntl.LOCK_EX)
@@ -286,6 +295,6 @@ def test_a_create_waits_while_another_client_holds_the_registry_lock(
         fcntl.flock(registry, fcntl.LOCK_UN)
         assert not done, (
             f"a GPU was granted ({creating.result()!r}) while another client held the "
-            f"registry's flock on {registry.name}"
+            f"registry's flock on {driver.host.leases.directory}"
         )
         assert len(creating.result().gpus) == 1

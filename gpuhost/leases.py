@@ -3,11 +3,14 @@
 The protocol (docs/lease-protocol.md, docs/lease-file.schema.json) is small enough for a
 client in any language (gpuhost/gpu-lease is one in POSIX sh with flock(1) and jq):
 
-- the registry is a directory holding ``leases.json``, locked with ``flock(LOCK_EX)`` on the
-  file itself around every read-modify-write; it holds ``{"version": 2, "boot_id": ...,
-  "leases": [...]}``, rewritten in place (several times faster than a new file renamed
-  over it), then truncated: a reader parses the first JSON value and ignores bytes after
-  it, which a writer killed between the write and the truncation leaves behind;
+- the registry is a sticky, world-writable directory holding ``leases.<uid>.json`` for each
+  user (gpuhost/leasefile.py): a user writes only its own, so only a lease's owner can
+  release it or hand it on, and a grant judges the union of all of them. Every
+  read-modify-write holds ``flock(LOCK_EX)`` on the directory; a file holds
+  ``{"version": 4, "boot_id": ..., "leases": [...]}``, rewritten in place (several times
+  faster than a new file renamed over it), then truncated: a reader parses the first JSON
+  value and ignores bytes after it, which a writer killed between the write and the
+  truncation leaves behind;
 - each lease names its holder with a liveness handle: ``process`` holders are
   ``<boot id>:<pid>:<start time>``, judged from /proc; other kinds (a container) are judged
   by the check their driver registers (``register_liveness``, or an entry point in the
@@ -33,6 +36,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import threading
 import time
 import weakref
@@ -43,26 +47,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpuhost import leasefile
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
+from gpuhost.leasefile import FORMAT_VERSION as FORMAT_VERSION
+from gpuhost.leasefile import LeaseFileCorrupt as LeaseFileCorrupt
 
 EXCLUSIVE, SHARED = "exclusive", "shared"
 DEFAULT_SHARE_LIMIT = 4
 """How many shared sandboxes may co-hold one GPU, unless a host says otherwise."""
-FORMAT_VERSION = 3
-"""Version 2 adds ``boot_id``; version 3 a lease's ``parent_uuid`` (a MIG instance's GPU) and
-``share_limit``. Older files are read as this boot's and written back as version 3."""
-LEASE_FILE = "leases.json"
 PROCESS = "process"
 LIVENESS_ENTRY_POINTS = "gpu_sandbox.liveness"
-
-
-class LeaseFileCorrupt(RuntimeError):
-    """The lease file of this boot holds something that is not a lease list."""
+CHECKS_AT_ONCE = 16
+"""How many holders a read judges at once (each check bounded by its own timeout)."""
 
 
 class LeaseFileLocked(RuntimeError):
-    """Another process held the lease file's lock past the registry's bound."""
+    """Another process held the registry's lock past the registry's bound."""
 
 
 LOCK_TIMEOUT_S = 30.0
@@ -159,6 +160,8 @@ def _hidden(pid: int) -> bool:
 
 
 _CHECKS: dict[str, LivenessCheck] = {PROCESS: _process_alive}
+_NO_CHECK: set[str] = set()
+"""Kinds whose entry points were looked for and not found: not looked for again."""
 
 
 def register_liveness(kind: str, check: LivenessCheck) -> None:
@@ -168,17 +171,20 @@ def register_liveness(kind: str, check: LivenessCheck) -> None:
     point in the ``gpu_sandbox.liveness`` group; without either, such holders live forever.
     """
     _CHECKS[kind] = check
+    _NO_CHECK.discard(kind)
 
 
 def liveness_check(kind: str) -> LivenessCheck | None:
     """The check of ``kind``: registered in this process, or else its entry point."""
-    if kind not in _CHECKS:
+    if kind not in _CHECKS and kind not in _NO_CHECK:
         from importlib import metadata  # slow to import, and needed only for such a holder
 
         for entry in metadata.entry_points(group=LIVENESS_ENTRY_POINTS, name=kind):
             with contextlib.suppress(Exception):  # a broken plugin judges nothing
                 _CHECKS[kind] = entry.load()
                 break
+        else:
+            _NO_CHECK.add(kind)
     return _CHECKS.get(kind)
 
 
@@ -201,13 +207,31 @@ def _leases(
 
 
 def _dead(leases: Collection[Lease]) -> set[Lease]:
-    """The leases whose holders are gone, asking once per holder, all holders at once."""
-    holders = list({lease.holder for lease in leases})
+    """The leases whose holders are gone, asking once per holder, several at once.
+
+    A holder of a kind nobody can judge is alive, and asks nothing.
+    """
+    holders = [h for h in {lease.holder for lease in leases} if liveness_check(h.kind)]
     if not holders:
         return set()
-    with ThreadPoolExecutor(len(holders)) as pool:
+    with ThreadPoolExecutor(min(len(holders), CHECKS_AT_ONCE)) as pool:
         alive = dict(zip(holders, pool.map(_alive, holders), strict=True))
-    return {lease for lease in leases if not alive[lease.holder]}
+    return {lease for lease in leases if not alive.get(lease.holder, True)}
+
+
+@dataclass
+class _Held:
+    """The leases under the lock.
+
+    This user's are written back if they change; every other user's only their owners change.
+    """
+
+    mine: list[Lease]
+    others: list[Lease]
+
+    @property
+    def all(self) -> list[Lease]:
+        return [*self.mine, *self.others]
 
 
 class LeaseRegistry:
@@ -216,8 +240,11 @@ class LeaseRegistry:
     def __init__(self, directory: Path, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         self.directory = directory
         self.lock_timeout_s = lock_timeout_s
-        self._path = directory / LEASE_FILE
+        self.uid = os.geteuid()
+        self.path = directory / leasefile.file_name(self.uid)
+        """This user's lease file: the only one this registry writes."""
         self._thread_lock = threading.Lock()
+        self._dir_fd = -1
         self._file_fd = -1
         _REGISTRIES.add(self)
 
@@ -241,96 +268,107 @@ class LeaseRegistry:
         dropped, and those whose holders only a container engine can judge are judged
         outside the lock, and the grant is tried again without the dead ones.
         """
-        with self._locked(reclaim=False) as leases, contextlib.suppress(GpuAllocationError):
-            granted = _grant(leases, inventory, count, exact, mode, share_limit)
-            leases.extend(_leases(granted, owner, mode, share_limit))
+        with self._locked(reclaim=False) as held, contextlib.suppress(GpuAllocationError):
+            granted = _grant(held.all, inventory, count, exact, mode, share_limit)
+            held.mine.extend(_leases(granted, owner, mode, share_limit))
             return granted
         dead: set[Lease] = set()
         while True:
-            with self._locked(drop=dead) as leases:
+            with self._locked(drop=dead) as held:
                 try:
-                    granted = _grant(leases, inventory, count, exact, mode, share_limit)
+                    granted = _grant(held.all, inventory, count, exact, mode, share_limit)
                 except GpuAllocationError as exc:
                     refusal = exc
-                    suspects = [x for x in leases if x.holder.kind != PROCESS and x not in dead]
+                    suspects = [x for x in held.all if x.holder.kind != PROCESS and x not in dead]
                 else:
-                    leases.extend(_leases(granted, owner, mode, share_limit))
+                    held.mine.extend(_leases(granted, owner, mode, share_limit))
                     return granted
-            newly_dead = _dead({lease for lease in suspects})
+            newly_dead = _dead(suspects)
             if not newly_dead:
                 raise refusal
             dead |= newly_dead
 
     def set_holder(self, sandbox_id: str, holder: Holder) -> None:
         """Hand a sandbox's leases to the process or container that now embodies it."""
-        with self._locked(reclaim=False) as leases:
-            leases[:] = [
+        with self._locked(reclaim=False) as held:
+            held.mine[:] = [
                 replace(lease, holder=holder) if lease.sandbox_id == sandbox_id else lease
-                for lease in leases
+                for lease in held.mine
             ]
 
     def release(self, sandbox_id: str) -> int:
-        """Drop a sandbox's leases; releasing twice is harmless. Returns how many were held."""
-        with self._locked(reclaim=False) as leases:
-            kept = [lease for lease in leases if lease.sandbox_id != sandbox_id]
-            released = len(leases) - len(kept)
-            leases[:] = kept
+        """Drop a sandbox's leases of this user; releasing twice is harmless.
+
+        Returns how many were held. Another user's leases are theirs alone to release.
+        """
+        with self._locked(reclaim=False) as held:
+            kept = [lease for lease in held.mine if lease.sandbox_id != sandbox_id]
+            released = len(held.mine) - len(kept)
+            held.mine[:] = kept
             return released
 
     def release_session(self, session_id: str, driver: str | None = None) -> list[Lease]:
-        """Drop every lease a test session took, or only ``driver``'s (what ``reap`` calls)."""
+        """Drop every lease this user took in a session, or only ``driver``'s (``reap``)."""
 
         def reaped(lease: Lease) -> bool:
             return lease.session_id == session_id and driver in (None, lease.driver)
 
-        with self._locked(reclaim=False) as leases:
-            gone = [lease for lease in leases if reaped(lease)]
-            leases[:] = [lease for lease in leases if not reaped(lease)]
+        with self._locked(reclaim=False) as held:
+            gone = [lease for lease in held.mine if reaped(lease)]
+            held.mine[:] = [lease for lease in held.mine if not reaped(lease)]
             return gone
 
     def leases(self) -> list[Lease]:
-        """The live leases, after reclaiming those whose holders are gone."""
-        with self._locked() as leases:
-            snapshot = list(leases)
-        dead = _dead({lease for lease in snapshot if lease.holder.kind != PROCESS})
+        """Every user's live leases, after reclaiming this user's whose holders are gone."""
+        with self._locked() as held:
+            snapshot = held.all
+        dead = _dead([lease for lease in snapshot if lease.holder.kind != PROCESS])
         if not dead:
             return snapshot
-        with self._locked(drop=dead) as leases:
-            return list(leases)
+        with self._locked(drop=dead) as held:
+            return held.all
 
     def free(self, inventory: Sequence[GpuDevice]) -> tuple[GpuDevice, ...]:
         held = {lease.gpu_uuid for lease in self.leases()}
         return tuple(gpu for gpu in inventory if gpu.uuid not in held)
 
     @contextmanager
-    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[list[Lease]]:
-        """Hold the host lock; yield the leases; write them back if they changed.
+    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[_Held]:
+        """Hold the host lock; yield the leases; write this user's back if they changed.
 
-        With ``reclaim``, leases of dead processes are dropped first, and so are ``drop``,
-        leases already judged dead outside the lock. Giving leases back or handing them on
-        needs no such judgement.
+        With ``reclaim``, leases of dead processes are left out first, and so are ``drop``,
+        leases already judged dead outside the lock: this user's are dropped from its file,
+        other users' only from the view (their owners drop them). Giving leases back or
+        handing them on needs no such judgement.
         """
+
+        def live(lease: Lease) -> bool:
+            return not reclaim or (
+                lease not in drop and (lease.holder.kind != PROCESS or self._judge(lease.holder))
+            )
+
         with self._exclusive():
-            stored = self._load()
-            leases = [
-                lease
-                for lease in stored
-                if not reclaim
-                or (lease not in drop and (lease.holder.kind != PROCESS or _alive(lease.holder)))
-            ]
-            yield leases
-            if leases != stored:
-                self._store(leases)
+            stored = self._load_mine()
+            held = _Held(
+                [x for x in stored if live(x)], [x for x in self._load_others() if live(x)]
+            )
+            yield held
+            if held.mine != stored:
+                self._store(held.mine)
+
+    def _judge(self, holder: Holder) -> bool:
+        """Whether a process holder lives, judged under the lock."""
+        return _alive(holder)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """Exclude every other holder of the lease file: threads here, and other processes.
+        """Exclude every other user of the registry: threads here, and other processes.
 
-        ``flock`` excludes other open file descriptions (other processes, other registry
-        objects); the thread lock excludes threads sharing this one.
+        ``flock`` on the directory excludes other open file descriptions (other processes,
+        other registry objects); the thread lock excludes threads sharing this one.
         """
         with self._thread_lock:
-            fd = self._fd()
+            fd = self._dir()
             self._flock(fd)
             try:
                 yield
@@ -349,66 +387,125 @@ class LeaseRegistry:
                 if time.monotonic() >= deadline:
                     holders = lock_holders(fd) or "a process not seen here"
                     raise LeaseFileLocked(
-                        f"the lease file {self._path} was locked for over "
+                        f"the lease registry {self.directory} was locked for over "
                         f"{self.lock_timeout_s:g} s by {holders}"
                     ) from None
                 time.sleep(interval)
                 interval = min(interval * 2, 0.05)
 
-    def _fd(self) -> int:
-        if self._file_fd < 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # Never through a link: a user who can write the directory would have root
-            # open, and make world-writable below, a file of their choosing.
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    def _dir(self) -> int:
+        """The registry's directory, open: its lock, and the base of every file opened."""
+        if self._dir_fd < 0:
+            if not self.directory.exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                # Every user's sandboxes share one host's GPUs: every user may add a file,
+                # and none may remove or rename another's.
+                with contextlib.suppress(PermissionError):
+                    self.directory.chmod(0o1777)
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
             try:
-                self._file_fd = os.open(self._path, flags, 0o666)
+                fd = os.open(self.directory, flags)
+            except NotADirectoryError:
+                raise LeaseFileCorrupt(
+                    f"the lease registry {self.directory} is not a directory: refusing to use it"
+                ) from None
+            try:
+                leasefile.check_directory(self.directory, os.fstat(fd))
+            except LeaseFileCorrupt:
+                os.close(fd)
+                raise
+            self._dir_fd = fd
+        return self._dir_fd
+
+    def _fd(self) -> int:
+        """The lease file of this user, made if need be, opened through the directory's fd."""
+        if self._file_fd < 0:
+            # Never through a link, never a FIFO: a user who can write the directory would
+            # have root open a file of their choosing, or hang on one.
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+            name = self.path.name
+            try:
+                fd = os.open(name, flags, 0o644, dir_fd=self._dir())
             except OSError as exc:
                 if exc.errno != errno.ELOOP:
                     raise
                 raise LeaseFileCorrupt(
-                    f"{self._path} is a symbolic link ({os.readlink(self._path)!r}): refusing "
-                    "to open it; remove it"
+                    f"{self.path} is a symbolic link "
+                    f"({os.readlink(name, dir_fd=self._dir())!r}): refusing to open it; remove it"
                 ) from None
-            # Every user's sandboxes share one host's GPUs, so every user may take leases.
-            with contextlib.suppress(PermissionError):
-                os.fchmod(self._file_fd, 0o666)
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid != self.uid:
+                os.close(fd)
+                self._remove_forgery(st.st_uid)
+                fd = os.open(name, flags, 0o644, dir_fd=self._dir())
+                st = os.fstat(fd)
+            if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) & 0o022:
+                os.fchmod(fd, 0o644)  # ours: only we may write it
+                st = os.fstat(fd)
+            try:
+                leasefile.check_file(self.path, st, self.uid)
+            except LeaseFileCorrupt:
+                os.close(fd)
+                raise
+            self._file_fd = fd
         return self._file_fd
 
+    def _remove_forgery(self, maker: int) -> None:
+        """Remove a file another user made under our name, if the sticky bit lets us."""
+        try:
+            os.unlink(self.path.name, dir_fd=self._dir())
+        except PermissionError:
+            raise LeaseFileCorrupt(
+                f"{self.path} was made by uid {maker}, not by its user {self.uid}: ask root to "
+                "remove it"
+            ) from None
+
     def _after_fork_in_child(self) -> None:
-        # The parent's open file would share its flock with the child, and a thread of the
-        # parent may have held the thread lock at the fork: start afresh.
-        if self._file_fd >= 0:
-            os.close(self._file_fd)
-        self._file_fd = -1
+        # The parent's open directory would share its flock with the child, and a thread of
+        # the parent may have held the thread lock at the fork: start afresh.
+        for fd in (self._dir_fd, self._file_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._dir_fd = self._file_fd = -1
         self._thread_lock = threading.Lock()
 
-    def _load(self) -> list[Lease]:
+    def _load_mine(self) -> list[Lease]:
         fd = self._fd()
         st = os.fstat(fd)
-        if st.st_size == 0:
-            return []
-        # raw_decode: a writer killed between pwrite and ftruncate leaves stale bytes behind.
-        text = os.pread(fd, st.st_size, 0).decode(errors="replace")
-        try:
-            document, _ = json.JSONDecoder().raw_decode(text)
-            version = document["version"]
-            if version > FORMAT_VERSION:
-                raise LeaseFileCorrupt(
-                    f"{self._path} is version {version}, written by a newer client; this one "
-                    f"reads versions 1 to {FORMAT_VERSION}: upgrade it"
-                )
-            if document.get("boot_id", boot_id()) != boot_id():
-                return []  # every lease of an earlier boot is dead
-            return [lease_from_dict(item) for item in document["leases"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            if st.st_mtime < boot_time():
-                return []  # cut short before this boot (a power loss): nothing of it lives
+        return self._read(self.path, os.pread(fd, st.st_size, 0), st.st_mtime)
+
+    def _load_others(self) -> list[Lease]:
+        """Every other user's leases, and a refusal while a file of version 3 holds one."""
+        self._refuse_a_legacy_file()
+        found: list[Lease] = []
+        for owner, path in leasefile.others_files(self.directory, self.uid):
+            read = leasefile.read_file(path, owner)
+            if read is not None:
+                found.extend(self._read(path, *read))
+        return found
+
+    def _refuse_a_legacy_file(self) -> None:
+        legacy = self.directory / leasefile.LEGACY_FILE
+        read = leasefile.read_file(legacy, None)
+        if read is not None and self._read(legacy, *read):
             raise LeaseFileCorrupt(
-                f"the GPU lease file {self._path} cannot be read ({exc}); no GPU can be "
-                "granted safely until it is fixed: stop every sandbox on this host, then "
-                "delete it"
-            ) from exc
+                f"{legacy} holds leases of a client of protocol version 3 or older, which "
+                "cannot share a host with this one: stop it, then delete the file"
+            )
+
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        """The leases of this boot in a lease file: ``parse``, then the boot's rule."""
+        if not data:
+            return []
+        try:
+            document = leasefile.parse(data)
+        except leasefile.InvalidLeaseFile as exc:
+            if mtime < boot_time() and not isinstance(exc, leasefile.NewerVersion):
+                return []  # cut short before this boot (a power loss): nothing of it lives
+            raise leasefile.corrupt(path, exc) from None
+        if document.boot_id not in (None, boot_id()):
+            return []  # every lease of an earlier boot is dead
+        return [lease_from_dict(item) for item in document.leases]
 
     def _store(self, leases: list[Lease]) -> None:
         # Rewritten in place; the lock keeps readers out until the write and the truncation

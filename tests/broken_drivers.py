@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import fcntl
 import itertools
-import json
 import os
 import signal
 import stat
@@ -19,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,17 +35,16 @@ from gpuhost.errors import (
     SandboxExecError,
 )
 from gpuhost.host import GpuHost
+from gpuhost.leasefile import parse
 from gpuhost.leases import (
     DEFAULT_SHARE_LIMIT,
     EXCLUSIVE,
-    LEASE_FILE,
     PROCESS,
     Holder,
     Lease,
     LeaseOwner,
     LeaseRegistry,
     boot_id,
-    lease_from_dict,
     process_running,
 )
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process
@@ -280,8 +278,8 @@ class _UnlockedRegistry(LeaseRegistry):
         finally:
             self._granting.on = False
 
-    def _load(self) -> list[Lease]:
-        leases = super()._load()
+    def _load_mine(self) -> list[Lease]:
+        leases = super()._load_mine()
         if getattr(self._granting, "on", False):
             time.sleep(RACE_WINDOW_S)
         return leases
@@ -301,15 +299,10 @@ class _ThreadLockedRegistry(_UnlockedRegistry):
 class _NoBootIdMeansEarlierBoot(LeaseRegistry):
     """Reads a file without ``boot_id`` (version 1) as one of an earlier boot."""
 
-    def _load(self) -> list[Lease]:
-        fd = self._fd()
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return []
-        document, _ = json.JSONDecoder().raw_decode(os.pread(fd, size, 0).decode())
-        if document.get("boot_id") != boot_id():
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        if data and parse(data).boot_id != boot_id():
             return []  # "every lease of an earlier boot is dead"
-        return [lease_from_dict(item) for item in document["leases"]]
+        return super()._read(path, data, mtime)
 
 
 class V1FileAsEarlierBoot(BrokenDriver):
@@ -858,7 +851,7 @@ class LeaseFileInside(BrokenDriver):
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         argv = super().bwrap_argv(sandbox_id, gpus)
-        registry = str(self.host.leases.directory / LEASE_FILE)
+        registry = str(self.host.leases.path)
         return _with_binds(argv, "--ro-bind-try", registry, "/run/gpu/leases.json")
 
 
@@ -1228,12 +1221,12 @@ class _NoParentRegistry(LeaseRegistry):
         super().__init__(directory)
         self._parents = parents
 
-    def _load(self) -> list[Lease]:
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
         return [
             dataclasses.replace(lease, parent_uuid=self._parents.get(lease.gpu_uuid))
             if lease.parent_uuid is None
             else lease
-            for lease in super()._load()
+            for lease in super()._read(path, data, mtime)
         ]
 
     def _store(self, leases: list[Lease]) -> None:
@@ -1258,9 +1251,9 @@ class _OwnLimitRegistry(LeaseRegistry):
         super().__init__(directory)
         self.limits: dict[tuple[str, str], int | None] = {}
 
-    def _load(self) -> list[Lease]:
-        leases = super()._load()
-        self.limits = {(x.sandbox_id, x.gpu_uuid): x.share_limit for x in leases}
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        leases = super()._read(path, data, mtime)
+        self.limits.update({(x.sandbox_id, x.gpu_uuid): x.share_limit for x in leases})
         return [dataclasses.replace(x, share_limit=None) for x in leases]
 
     def _store(self, leases: list[Lease]) -> None:
@@ -1424,8 +1417,8 @@ class _ReleasesByPhysicalGpu(ReferenceSandbox):
         super().close()
         parents = {gpu.parent_uuid for gpu in self.gpus if gpu.parent_uuid}
         if was_open and parents and self._leases is not None:  # "free the GPU"
-            with self._leases._locked(reclaim=False) as leases:
-                leases[:] = [lease for lease in leases if lease.parent_uuid not in parents]
+            with self._leases._locked(reclaim=False) as held:
+                held.mine[:] = [lease for lease in held.mine if lease.parent_uuid not in parents]
 
 
 class MigCloseReleasesSiblings(BrokenDriver):
@@ -1486,21 +1479,8 @@ def _pid_alive(holder: Holder) -> bool:
 
 
 class _PidOnlyRegistry(LeaseRegistry):
-    @contextlib.contextmanager
-    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[list[Lease]]:
-        with self._exclusive():
-            stored = self._load()
-            leases = [
-                lease
-                for lease in stored
-                if not reclaim
-                or (
-                    lease not in drop and (lease.holder.kind != PROCESS or _pid_alive(lease.holder))
-                )
-            ]
-            yield leases
-            if leases != stored:
-                self._store(leases)
+    def _judge(self, holder: Holder) -> bool:
+        return _pid_alive(holder)
 
 
 class PidOnlyLiveness(BrokenDriver):

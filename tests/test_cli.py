@@ -31,7 +31,7 @@ from gpu_sandbox.flags import GpuFlags, spec_dict
 from gpuhost import simulated
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.leases import LEASE_FILE, Holder
+from gpuhost.leases import Holder
 from gpuhost.spec import SandboxSpec
 
 ROOT = Path(__file__).parent.parent
@@ -122,7 +122,7 @@ def assert_nothing_left(driver: Driver) -> None:
     __tracebackhide__ = True
     session = driver.session_id
     assert driver.sandboxes(session) == [], f"sandboxes of {session} left"
-    registry = driver.host.leases.directory / LEASE_FILE
+    registry = driver.host.leases.path
     text = (registry.read_text() if registry.exists() else "") or '{"leases": []}'
     recorded, _ = json.JSONDecoder().raw_decode(text)
     left = [lease for lease in recorded["leases"] if lease["session_id"] == session]

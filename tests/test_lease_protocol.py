@@ -67,7 +67,7 @@ def _wait_for_leases(registry: LeaseRegistry, count: int) -> None:
 
 
 def _document(registry: LeaseRegistry) -> dict[str, object]:
-    text = (registry.directory / "leases.json").read_text()
+    text = (registry.path).read_text()
     document, _ = json.JSONDecoder().raw_decode(text)
     assert isinstance(document, dict)
     return document
@@ -78,7 +78,7 @@ def test_the_python_clients_file_follows_the_schema(registry: LeaseRegistry) -> 
     registry.acquire(INVENTORY, owner, count=2)
     document = _document(registry)
     jsonschema.validate(document, SCHEMA)
-    assert (document["version"], document["boot_id"]) == (3, boot_id())
+    assert (document["version"], document["boot_id"]) == (4, boot_id())
 
 
 def test_the_sh_clients_file_follows_the_schema(
@@ -91,7 +91,7 @@ def test_the_sh_clients_file_follows_the_schema(
     "broken",
     [
         {"version": 2, "leases": []},  # no boot id
-        {"version": 4, "boot_id": "b", "leases": []},
+        {"version": 5, "boot_id": "b", "leases": []},
         {"version": 2, "boot_id": "b", "leases": [{"gpu_uuid": "GPU-1"}]},
         {"version": 2, "boot_id": "b", "leases": [{
             "gpu_uuid": "GPU-1", "driver": "d", "sandbox_id": "s", "session_id": "",
@@ -164,7 +164,7 @@ def test_the_sh_client_writes_in_place_then_truncates(
     registry: LeaseRegistry, sh_holds: subprocess.Popen[str]
 ) -> None:
     """Never truncate first: the same inode, shorter after a release, and still valid."""
-    path = registry.directory / "leases.json"
+    path = registry.path
     inode, size = path.stat().st_ino, path.stat().st_size
     assert client(registry.directory, "release", "sh-1").returncode == 0
     assert path.stat().st_ino == inode

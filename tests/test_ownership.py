@@ -25,6 +25,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.leases import (
     EXCLUSIVE,
+    FORMAT_VERSION,
     SHARED,
     Holder,
     Lease,
@@ -229,8 +230,8 @@ def test_directory_is_created_on_first_use(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists()
     assert registry.leases() == []
     registry.acquire(INVENTORY, owner("x"), count=1)
-    stored = json.loads((tmp_path / "a" / "b" / "leases.json").read_text())
-    assert (stored["version"], stored["boot_id"]) == (3, boot_id())
+    stored = json.loads(registry.path.read_text())
+    assert (stored["version"], stored["boot_id"]) == (FORMAT_VERSION, boot_id())
     assert [item["gpu_uuid"] for item in stored["leases"]] == [INVENTORY[0].uuid]
 
 
@@ -316,7 +317,7 @@ def test_a_registered_liveness_check_is_used(
 
 def _write(registry: LeaseRegistry, content: bytes, mtime: float | None = None) -> Path:
     registry.directory.mkdir(parents=True, exist_ok=True)
-    path = registry.directory / "leases.json"
+    path = registry.path
     path.write_bytes(content)
     if mtime is not None:
         os.utime(path, (mtime, mtime))
@@ -340,7 +341,7 @@ def test_a_file_cut_short_before_this_boot_holds_nothing(registry: LeaseRegistry
 
 def test_leases_of_an_earlier_boot_are_dead(registry: LeaseRegistry) -> None:
     registry.acquire(INVENTORY, owner("a", holder=Holder("container", "c-1")), count=2)
-    path = registry.directory / "leases.json"
+    path = registry.path
     stored = json.loads(path.read_text())
     path.write_text(json.dumps({**stored, "boot_id": "00000000-earlier-boot"}))
     assert registry.leases() == []
@@ -353,12 +354,12 @@ def test_a_version_1_file_is_read(registry: LeaseRegistry) -> None:
     )
     assert registry.leases() == [lease]
     registry.acquire(INVENTORY, owner("new"), count=1)
-    assert json.loads((registry.directory / "leases.json").read_text())["version"] == 3
+    assert json.loads(registry.path.read_text())["version"] == FORMAT_VERSION
 
 
 def test_a_newer_version_is_refused_by_name(registry: LeaseRegistry) -> None:
-    _write(registry, json.dumps({"version": 4, "boot_id": boot_id(), "leases": []}).encode())
-    with pytest.raises(LeaseFileCorrupt, match="version 4, written by a newer client"):
+    _write(registry, json.dumps({"version": 5, "boot_id": boot_id(), "leases": []}).encode())
+    with pytest.raises(LeaseFileCorrupt, match="version 5, written by a newer client"):
         registry.leases()
 
 
@@ -366,7 +367,7 @@ def test_stale_bytes_after_valid_json_are_ignored(registry: LeaseRegistry) -> No
     """A writer killed between pwrite and ftruncate leaves valid JSON, then stale bytes."""
     registry.acquire(INVENTORY, owner("a"), count=1)
     registry.acquire(INVENTORY, owner("b"), count=3)
-    path = registry.directory / "leases.json"
+    path = registry.path
     long = path.read_bytes()
     stored = json.loads(long)
     short = json.dumps({**stored, "leases": stored["leases"][:1]}).encode()
@@ -387,7 +388,7 @@ def test_stale_bytes_after_valid_json_are_ignored(registry: LeaseRegistry) -> No
 
 def test_empty_file_is_no_leases(registry: LeaseRegistry) -> None:
     registry.directory.mkdir(parents=True)
-    (registry.directory / "leases.json").write_bytes(b"")
+    (registry.path).write_bytes(b"")
     assert registry.leases() == []
     assert registry.acquire(INVENTORY, owner("a"), count=4) == INVENTORY
 
@@ -397,15 +398,19 @@ def test_reclaim_is_written_back(registry: LeaseRegistry, sleeper: subprocess.Po
     sleeper.kill()
     sleeper.wait()
     assert registry.leases() == []
-    path = registry.directory / "leases.json"
-    assert json.loads(path.read_bytes()) == {"version": 3, "boot_id": boot_id(), "leases": []}
+    path = registry.path
+    assert json.loads(path.read_bytes()) == {
+        "version": FORMAT_VERSION,
+        "boot_id": boot_id(),
+        "leases": [],
+    }
 
 
 # -- checks that ask an engine run outside the lock ----------------------------------------
 
 
 def _lock_is_free(registry: LeaseRegistry) -> bool:
-    fd = os.open(registry.directory / "leases.json", os.O_RDWR)
+    fd = os.open(registry.path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -608,7 +613,7 @@ def test_a_leased_instance_makes_its_gpu_busy_and_not_its_siblings(
     with pytest.raises(GpuBusy, match=r"held exclusively through MIG-00000000.* by sandbox mig-0"):
         registry.acquire(INVENTORY, owner("whole"), exact=[GPU_IN_MIG_MODE])
     assert registry.acquire(INSTANCES, owner("mig-1"), count=1) == INSTANCES[1:2]
-    stored = json.loads((registry.directory / "leases.json").read_text())["leases"]
+    stored = json.loads((registry.path).read_text())["leases"]
     assert [item.get("parent_uuid") for item in stored] == [GPU_IN_MIG_MODE.uuid] * 2
 
 
@@ -628,7 +633,7 @@ def test_shared_leases_fill_a_gpu_up_to_the_limit_then_the_next(registry: LeaseR
     ]
     # The GPU already shared first, while it has room; then the lowest free one.
     assert got == [INVENTORY[0]] * 3 + [INVENTORY[1]] * 2
-    stored = json.loads((registry.directory / "leases.json").read_text())["leases"]
+    stored = json.loads((registry.path).read_text())["leases"]
     assert {(item["mode"], item["share_limit"]) for item in stored} == {(SHARED, 3)}
 
 
@@ -727,10 +732,11 @@ def test_a_lease_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_pat
     target = tmp_path / "target"
     target.write_text("{}")
     target.chmod(0o600)
+    registry = LeaseRegistry(tmp_path / "leases")
     (tmp_path / "leases").mkdir()
-    (tmp_path / "leases" / "leases.json").symlink_to(target)
+    registry.path.symlink_to(target)
     with pytest.raises(LeaseFileCorrupt, match="is a symbolic link"):
-        LeaseRegistry(tmp_path / "leases").leases()
+        registry.leases()
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     assert target.read_text() == "{}"
 
@@ -739,7 +745,7 @@ def test_a_lock_held_too_long_fails_the_grant_naming_its_holder(tmp_path: Path) 
     """Another process that keeps the lease file locked stops grants for a bound, not forever."""
     registry = LeaseRegistry(tmp_path / "leases", lock_timeout_s=0.5)
     registry.leases()  # the file exists
-    holder = subprocess.Popen(["flock", str(tmp_path / "leases" / "leases.json"), "sleep", "60"])
+    holder = subprocess.Popen(["flock", str(tmp_path / "leases"), "sleep", "60"])
     try:
         wait_for(
             lambda: f" {holder.pid} " in Path("/proc/locks").read_text(),

@@ -92,7 +92,7 @@ def test_host_state_is_hidden_from_the_sandbox(
     driver = ReferenceDriver(host, reference.session_id)
     try:
         with driver.create(SandboxSpec.with_gpus()) as sandbox:
-            assert (state / "leases.json").exists()
+            assert driver.host.leases.path.exists()
             listing = sandbox.exec(["sh", "-c", f"ls -A {state} 2>/dev/null; true"]).stdout
             assert listing == "", f"the lease registry is visible inside: {listing!r}"
             share = sandbox.exec(["ls", simulated.SANDBOX_SHARE]).check().stdout.split()

@@ -203,6 +203,7 @@ def setup(
 
     host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
     host.lease_dir.mkdir()
+    host.lease_dir.chmod(0o1777)  # every user's sandboxes may take its GPUs (lease protocol)
     if cdi_dir is not None:
         cdi_dir.mkdir(parents=True, exist_ok=True)
         _prune_registrations(cdi_dir)
