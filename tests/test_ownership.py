@@ -301,6 +301,27 @@ def test_unknown_holder_kind_is_treated_as_alive(registry: LeaseRegistry) -> Non
     assert {lease.holder for lease in registry.leases()} == {container}
 
 
+def test_unknown_holder_kinds_are_looked_up_once_and_start_no_thread(
+    registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: 400 unknown kinds cost an entry-point scan and a thread each, every read."""
+    from importlib import metadata
+
+    kinds = [f"unknown-{i}" for i in range(400)]
+    inventory = tuple(_gpu(i) for i in range(400))
+    for kind, gpu in zip(kinds, inventory, strict=True):
+        registry.acquire([gpu], owner(kind, holder=Holder(kind, "r")), count=1)
+    looked_up: list[str] = []
+    real = metadata.entry_points
+    monkeypatch.setattr(
+        metadata, "entry_points", lambda **kw: looked_up.append(kw["name"]) or real(**kw)
+    )
+    monkeypatch.setattr(ownership, "ThreadPoolExecutor", None)  # any pool fails the read
+    assert len(registry.leases()) == 400
+    assert len(registry.leases()) == 400
+    assert sorted(looked_up) == sorted(kinds)
+
+
 def test_a_registered_liveness_check_is_used(
     registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
