@@ -313,9 +313,12 @@ def test_unknown_holder_kinds_are_looked_up_once_and_start_no_thread(
         registry.acquire([gpu], owner(kind, holder=Holder(kind, "r")), count=1)
     looked_up: list[str] = []
     real = metadata.entry_points
-    monkeypatch.setattr(
-        metadata, "entry_points", lambda **kw: looked_up.append(kw["name"]) or real(**kw)
-    )
+
+    def entry_points(**selection: str) -> metadata.EntryPoints:
+        looked_up.append(selection["name"])
+        return real(**selection)
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
     monkeypatch.setattr(ownership, "ThreadPoolExecutor", None)  # any pool fails the read
     assert len(registry.leases()) == 400
     assert len(registry.leases()) == 400
