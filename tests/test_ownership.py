@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,7 +315,7 @@ def test_unknown_holder_kinds_are_looked_up_once_and_start_no_thread(
     looked_up: list[str] = []
     real = metadata.entry_points
 
-    def entry_points(**selection: str) -> metadata.EntryPoints:
+    def entry_points(**selection: str) -> Any:
         looked_up.append(selection["name"])
         return real(**selection)
 
