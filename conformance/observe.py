@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drivers.base import Driver, Sandbox
-from gpuhost.devices import NVIDIA_MAJOR
+from gpuhost.devices import DRM_MAJORS, NVIDIA_GPU_MAJORS
 from gpuhost.errors import GpuAllocationError, GpusExhausted, RequestError
 from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.spec import SandboxSpec
@@ -149,8 +149,6 @@ class NodeSeen:
     minor: int
 
 
-DRM_MAJOR = 226
-"""/dev/dri/card<N> and renderD<N>: AMD, Intel and NVIDIA display GPUs."""
 GPU_DEVICE_NAMES = (
     "nvidia-uvm", "nvidia-caps", "nvidia-caps-imex-channels", "nvidia-nvlink",
     "nvidia-nvswitch", "nvidia-frontend", "kfd",
@@ -163,7 +161,7 @@ def gpu_device_majors(host_majors: Iterable[int] = ()) -> frozenset[int]:
 
     ``host_majors`` adds others a (simulated) host uses for such nodes.
     """
-    majors = {NVIDIA_MAJOR, DRM_MAJOR, *host_majors}
+    majors = {*NVIDIA_GPU_MAJORS, *DRM_MAJORS, *host_majors}
     try:
         lines = Path("/proc/devices").read_text().splitlines()
     except OSError:
@@ -247,11 +245,14 @@ def opens_a_node_it_makes(sandbox: Sandbox, major: int, minor: int) -> str | Non
 
 
 def nvidia_gpu_nodes(nodes: Sequence[NodeSeen]) -> list[NodeSeen]:
-    """The NVIDIA GPU nodes (195:0-253) among a sandbox's ``nodes`` (``device_nodes``)."""
+    """The NVIDIA GPU nodes (195:0-253) among a sandbox's ``nodes`` (``device_nodes``).
+
+    Of a simulated host, its own major's (``SIMULATED_NVIDIA_MAJOR``).
+    """
     return [
         node
         for node in nodes
-        if node.major == NVIDIA_MAJOR and node.minor not in _NVIDIA_CONTROL_MINORS
+        if node.major in NVIDIA_GPU_MAJORS and node.minor not in _NVIDIA_CONTROL_MINORS
     ]
 
 
@@ -292,7 +293,7 @@ def visible_dri(driver: Driver, nodes: Sequence[NodeSeen]) -> dict[str, set[str]
         )
         for gpu in driver.host.dri_gpus
         for node in gpu.nodes
-        if node.major == DRM_MAJOR
+        if node.major in DRM_MAJORS
     }
     seen: dict[str, set[str]] = {}
     for node in nodes:

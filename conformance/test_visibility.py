@@ -19,7 +19,6 @@ from conformance.observe import (
 )
 from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
-from gpuhost.devices import NVIDIA_MAJOR
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
 
 CUDA_CONTROL_NODES = frozenset({"/dev/nvidiactl", "/dev/nvidia-uvm"})
@@ -139,9 +138,10 @@ def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
     own = {node.minor for node in nodes}
     other = next((gpu for gpu in driver.inventory() if gpu.minor not in {*own, None}), None)
     if other is not None and other.minor is not None:
-        reached = opens_a_node_it_makes(sandbox, NVIDIA_MAJOR, other.minor)
+        reached = opens_a_node_it_makes(sandbox, other.nodes[0].major, other.minor)
         assert reached is None, (
-            f"sandbox {sandbox.id} made the node of {other.uuid} (195:{other.minor}) and "
+            f"sandbox {sandbox.id} made the node of {other.uuid} "
+            f"({other.nodes[0].major}:{other.minor}) and "
             f"opened it: {reached}"
         )
     assert sorted(visible_gpu_uuids(sandbox)) == sorted(uuids(sandbox))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuhost.devices import CDI_KIND, NVIDIA_MAJOR, GpuDevice
+from gpuhost.devices import CDI_KIND, NVIDIA_GPU_MAJORS, GpuDevice
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 """Where CDI-enabled engines look unless configured otherwise (podman, dockerd, containerd)."""
@@ -138,7 +138,7 @@ def _gpu_nodes(edits: dict[str, Any]) -> set[tuple[NodeKey, str]]:
         path, minor = str(node.get("path", "")), node.get("minor")
         source = str(node.get("hostPath") or path)
         key = node_key(path)
-        if node.get("major") == NVIDIA_MAJOR and isinstance(minor, int):
+        if node.get("major") in NVIDIA_GPU_MAJORS and isinstance(minor, int):
             # The numbers decide, whatever the path: a GPU node renamed is still that GPU.
             key = ("gpu", minor) if minor < _FIRST_CONTROL_MINOR else None
         if key is not None:

@@ -8,6 +8,17 @@ from dataclasses import dataclass, field, replace
 
 NVIDIA_MAJOR = 195
 """Character-device major of /dev/nvidia<minor> and /dev/nvidiactl (minor 255)."""
+DRM_MAJOR = 226
+"""/dev/dri/card<N> and renderD<N>: AMD, Intel and NVIDIA display GPUs."""
+SIMULATED_NVIDIA_MAJOR = 120
+"""A simulated host's GPU nodes and nvidiactl. 120 to 127 are kept for local use by the
+kernel's list of devices: no driver registers them, so a simulated node opens nothing on
+any host, whatever GPU drivers it has loaded (ENXIO, as a host whose driver is unloaded)."""
+SIMULATED_DRM_MAJOR = 124
+"""A simulated host's DRI card and render nodes (see ``SIMULATED_NVIDIA_MAJOR``)."""
+NVIDIA_GPU_MAJORS = frozenset({NVIDIA_MAJOR, SIMULATED_NVIDIA_MAJOR})
+"""The majors a sandbox's NVIDIA GPU nodes have: a real host's, or a simulated one's."""
+DRM_MAJORS = frozenset({DRM_MAJOR, SIMULATED_DRM_MAJOR})
 NVIDIACTL_MINOR = 255
 CDI_KIND = "nvidia.com/gpu"
 """The CDI kind of NVIDIA GPUs (``nvidia-ctk cdi generate``); each simulated host has its own."""
@@ -117,6 +128,7 @@ def gpus_to_json(gpus: tuple[GpuDevice, ...] | list[GpuDevice]) -> str:
                 "pci_bus_id": gpu.pci_bus_id,
                 "memory_mib": gpu.memory_mib,
                 "minor": gpu.minor,
+                "major": gpu.nodes[0].major if gpu.nodes else NVIDIA_MAJOR,
             }
             for gpu in gpus
         ]
@@ -127,8 +139,8 @@ def gpus_from_json(text: str) -> tuple[GpuDevice, ...]:
     """The GPUs of ``gpus_to_json``, each with its ``/dev/nvidia<minor>`` node."""
     gpus = []
     for item in json.loads(text):
-        minor = item.get("minor")
-        nodes = () if minor is None else (DeviceNode(f"/dev/nvidia{minor}", NVIDIA_MAJOR, minor),)
+        minor, major = item.get("minor"), int(item.get("major", NVIDIA_MAJOR))
+        nodes = () if minor is None else (DeviceNode(f"/dev/nvidia{minor}", major, minor),)
         gpus.append(
             GpuDevice(
                 index=int(item["index"]),

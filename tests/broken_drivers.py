@@ -25,7 +25,7 @@ from typing import ClassVar
 from drivers import reference
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult, Launch, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
-from gpuhost.devices import GpuDevice
+from gpuhost.devices import SIMULATED_DRM_MAJOR, GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
     ExecTimeout,
@@ -590,7 +590,7 @@ class LeaksDriNode(BrokenDriver):
             return argv
         node = self.host.leases.directory.parent / "renderD128"
         with contextlib.suppress(FileExistsError):
-            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(226, 128))
+            os.mknod(node, 0o660 | stat.S_IFCHR, os.makedev(SIMULATED_DRM_MAJOR, 128))
         return _with_binds(argv, "--dev-bind", str(node), "/dev/dri/renderD128")
 
 

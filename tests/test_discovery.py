@@ -865,7 +865,10 @@ def test_discover_dri_pairs_nodes_by_pci_address_not_number(tmp_path: Path) -> N
         }
 
     assert numbers(found) == numbers(sim.dri_gpus)
-    cards = {gpu.pci_bus_id: [n.minor for n in gpu.nodes if n.major == DRI_MAJOR] for gpu in found}
+    cards = {
+        gpu.pci_bus_id: [n.minor for n in gpu.nodes if n.major == simulated.DRM_MAJOR]
+        for gpu in found
+    }
     assert any(render - 128 != card for card, render in cards.values()), (
         "the simulated host should cross card and render numbers"
     )

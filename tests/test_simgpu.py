@@ -21,13 +21,17 @@ import pytest
 import yaml
 
 from drivers.reference import system_dirs_argv
-from gpuhost.devices import NVIDIA_MAJOR, NVIDIACTL_MINOR, DeviceNode, GpuDevice
+from gpuhost.devices import NVIDIACTL_MINOR, DeviceNode, GpuDevice
 from gpuhost.leases import Holder
 from gpuhost.simulated import (
+    CAPS_MAJOR,
     DGX_BUSES,
+    DRM_MAJOR,
+    KFD_MAJOR,
     MEMORY_MIB,
     MODEL,
     NODE_GID,
+    NVIDIA_MAJOR,
     SANDBOX_SHARE,
     UVM_MAJOR,
     SimulatedHost,
@@ -153,7 +157,7 @@ def listing(*gpus: GpuDevice) -> str:
 # -- setup, load, teardown ----------------------------------------------------------------
 
 
-def test_device_nodes_have_nvidias_numbers(host: SimulatedHost) -> None:
+def test_device_nodes_have_nvidias_minors_and_majors_no_driver_uses(host: SimulatedHost) -> None:
     for minor in range(4):
         st = os.stat(host.root / "dev" / f"nvidia{minor}")
         assert stat.S_ISCHR(st.st_mode)
@@ -168,7 +172,9 @@ def test_device_nodes_have_nvidias_numbers(host: SimulatedHost) -> None:
         st = os.stat(host.root / "dev" / name)
         assert stat.S_ISCHR(st.st_mode)
         assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == numbers
-    assert (NVIDIA_MAJOR, NVIDIACTL_MINOR) == (195, 255)
+    # Of the majors the kernel keeps for local use (devices.txt: 60-63, 120-127, 240-254; the
+    # last are handed out to drivers without a number of their own): none opens a real device.
+    assert {NVIDIA_MAJOR, UVM_MAJOR, CAPS_MAJOR, KFD_MAJOR, DRM_MAJOR} <= set(range(120, 128))
     assert sorted(path.name for path in (host.root / "dev").iterdir()) == sorted(
         [*(f"nvidia{m}" for m in range(4)), *expected]
     )
@@ -178,13 +184,16 @@ def test_device_nodes_have_nvidias_numbers(host: SimulatedHost) -> None:
     )
 
 
-@pytest.mark.skipif(
-    Path("/proc/driver/nvidia").exists(), reason="an NVIDIA driver is loaded: 195:N opens"
-)
-def test_opening_a_node_fails_as_with_no_driver(host: SimulatedHost) -> None:
+@pytest.mark.parametrize("node", ["nvidia0", "nvidiactl", "nvidia-uvm"])
+def test_opening_a_node_fails_as_with_no_driver_whatever_drivers_are_loaded(
+    host: SimulatedHost, node: str
+) -> None:
+    """Before: the nodes were 195:N, which open a real GPU where NVIDIA's driver is loaded."""
     with pytest.raises(OSError, match="No such device or address") as raised:
-        os.open(host.root / "dev" / "nvidia0", os.O_RDWR)
+        os.open(host.root / "dev" / node, os.O_RDWR)
     assert raised.value.errno == errno.ENXIO
+    registered = Path("/proc/devices").read_text().split("Block devices:")[0].split()
+    assert str(NVIDIA_MAJOR) not in registered[2::2]
 
 
 def test_inventory(host: SimulatedHost) -> None:
@@ -360,7 +369,7 @@ def test_cdi_spec(host: SimulatedHost) -> None:
 
     edits = spec["containerEdits"]
     assert [(n["path"], n["major"], n["minor"]) for n in edits["deviceNodes"]] == [
-        ("/dev/nvidiactl", 195, 255),
+        ("/dev/nvidiactl", NVIDIA_MAJOR, 255),
         ("/dev/nvidia-uvm", UVM_MAJOR, 0),
         ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1),
     ]
@@ -791,7 +800,7 @@ def test_dri_gpus_are_numbered_per_vendor_with_crossed_nodes(mig_host: Simulated
         card, render = (n for n in gpu.nodes if "/dri/" in n.path)
         link = mig_host.root / "dev" / "dri" / "by-path" / f"pci-{gpu.pci_bus_id}-render"
         assert link.resolve() == Path(render.source)
-        assert os.stat(card.source).st_rdev == os.makedev(226, card.minor)
+        assert os.stat(card.source).st_rdev == os.makedev(DRM_MAJOR, card.minor)
         assert (gpu.vendor == "amd") == any(n.path == "/dev/kfd" for n in gpu.nodes)
     pairs = [tuple(n.minor for n in gpu.nodes if "/dri/" in n.path) for gpu in dri]
     assert any(render != 128 + card for card, render in pairs), pairs

@@ -2,10 +2,13 @@
 
 ``setup(root, count)`` makes, under ``root`` (several roots can coexist):
 
-- ``dev/``: character devices with NVIDIA's numbers: ``nvidia<minor>`` (195:minor) per GPU,
-  ``nvidiactl`` (195:255), ``nvidia-uvm`` and ``nvidia-uvm-tools``. ``stat()`` works on
-  them and ``open()`` fails with ENXIO, exactly as on a host whose driver is unloaded, so a
-  sandbox can be given (or denied) a GPU by its device node, as on a real host;
+- ``dev/``: character devices named and numbered as NVIDIA's, but of majors the kernel keeps
+  for local use (``SIMULATED_NVIDIA_MAJOR``, 120 to 124), which no driver registers:
+  ``nvidia<minor>`` (120:minor) per GPU, ``nvidiactl`` (120:255), ``nvidia-uvm`` and
+  ``nvidia-uvm-tools``. ``stat()`` works on them and ``open()`` fails with ENXIO on every
+  host, exactly as on a host whose driver is unloaded, so a sandbox can be given (or denied)
+  a GPU by its device node, as on a real host, and a simulated node never reaches a real
+  GPU, even where NVIDIA's or DRM's drivers are loaded;
 - ``share/control-nodes.tsv``: name, major and minor of each control node (for a guest
   kernel to make them as the host has them);
 - ``share/inventory.tsv``: minor, UUID, name, PCI bus id and memory of every GPU; as on
@@ -28,7 +31,7 @@ Optionally (``mig``, ``dri``), as real hosts have them:
   ``/proc/driver/nvidia-caps/mig-minors``, written to ``share/mig-minors``); the stand-in
   nvidia-smi lists exactly the instances whose cap nodes it can see, under their GPU, and the
   CDI spec names them ``<gpu>:<instance>`` and by UUID;
-- DRI GPUs of other vendors (``--dri intel:1,amd:2``): card and render nodes (226:N, their
+- DRI GPUs of other vendors (``--dri intel:1,amd:2``): card and render nodes (124:N, their
   numbers deliberately not in PCI order, card and render crossed), ``dev/dri/by-path``
   links, PCI records under ``sys/bus/pci/devices`` as sysfs has them, ``dev/kfd`` for AMD,
   and ``share/bin/dri-gpus``, a stand-in probe that reports which DRI GPUs a sandbox can
@@ -56,8 +59,9 @@ from importlib import resources
 from pathlib import Path
 
 from gpuhost.devices import (
-    NVIDIA_MAJOR,
     NVIDIACTL_MINOR,
+    SIMULATED_DRM_MAJOR,
+    SIMULATED_NVIDIA_MAJOR,
     DeviceNode,
     GpuDevice,
     normalize_pci_bus_id,
@@ -70,14 +74,15 @@ DEFAULT_COUNT = 8
 SANDBOX_SHARE = "/run/gpu-sim"
 MODEL = "NVIDIA H100 80GB HBM3"
 MEMORY_MIB = 81559
-# nvidia-uvm's major is assigned dynamically on real hosts; any unused major will do.
-UVM_MAJOR = 511
+# nvidia-uvm's major is assigned dynamically on real hosts; one kept for local use here.
+NVIDIA_MAJOR = SIMULATED_NVIDIA_MAJOR
+UVM_MAJOR = 121
 # The bus ids of an 8-GPU DGX H100 (from recorded lspci captures), then made-up ones.
 DGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
-# nvidia-caps and kfd have dynamic majors on real hosts too; unused ones will do here.
-CAPS_MAJOR = 510
-KFD_MAJOR = 509
-DRM_MAJOR = 226
+# nvidia-caps and kfd have dynamic majors on real hosts too.
+CAPS_MAJOR = 122
+KFD_MAJOR = 123
+DRM_MAJOR = SIMULATED_DRM_MAJOR
 # /proc/driver/nvidia-caps/mig-minors: config 1, monitor 2, then per GPU minor 15 GPU
 # instances of 9 minors each (the GI's access, then its 8 compute instances').
 _CAPS_PER_GPU, _CAPS_PER_GI = 135, 9
@@ -285,7 +290,7 @@ def _make_mig(root: Path, mig: Mapping[int, Sequence[str]]) -> None:
                          gi_minor, ci_minor, memory))  # fmt: skip
     (root / "share" / "mig.tsv").write_text(
         "# gpu minor\tindex\tgi\tci\tprofile\tuuid\tgi cap minor\tci cap minor\t"
-        f"memory [MiB]\tcaps major {CAPS_MAJOR}\n"
+        f"memory [MiB]\tcaps major {CAPS_MAJOR}\tgpu major {NVIDIA_MAJOR}\n"
         + "".join("\t".join(map(str, row)) + "\n" for row in rows)
     )
     (root / "share" / "mig-minors").write_text("".join(f"{line}\n" for line in minors))
@@ -318,7 +323,8 @@ def _make_dri(root: Path, dri: DriLayout) -> None:
     if any(vendor == "amd" for _, vendor in buses):
         _mknod(root / "dev" / "kfd", KFD_MAJOR, 0)
     (root / "share" / "dri.tsv").write_text(
-        f"# pci.bus_id\tvendor\tname\tcard\trender\tmemory [MiB]\tkfd major {KFD_MAJOR}\n"
+        "# pci.bus_id\tvendor\tname\tcard\trender\tmemory [MiB]\t"
+        f"kfd major {KFD_MAJOR}\tdrm major {DRM_MAJOR}\n"
         + "".join("\t".join(map(str, row)) + "\n" for row in rows)
     )
 

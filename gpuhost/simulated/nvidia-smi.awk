@@ -62,9 +62,14 @@ BEGIN {
     split(supported, tmp, ","); for (k in tmp) known[tmp[k]] = 1
 
     # The MIG instances: gpu minor, index, gi, ci, profile, uuid, gi cap minor, ci cap minor.
-    caps_major = -1; nmig = 0
+    # The simulated host's majors (its header): of local use, which no driver registers.
+    caps_major = -1; gpu_major = -1; nmig = 0
     while ((getline line < ARGV[3]) > 0) {
-        if (line ~ /^#/) { if (match(line, /caps major [0-9]+/)) caps_major = substr(line, RSTART + 11, RLENGTH - 11) + 0; continue }
+        if (line ~ /^#/) {
+            if (match(line, /caps major [0-9]+/)) caps_major = substr(line, RSTART + 11, RLENGTH - 11) + 0
+            if (match(line, /gpu major [0-9]+/)) gpu_major = substr(line, RSTART + 10, RLENGTH - 10) + 0
+            continue
+        }
         if (line == "") continue
         nmig++; split(line, f, "\t")
         mig_gpu[nmig] = f[1] + 0; mig_profile[nmig] = f[5]; mig_uuid[nmig] = f[6]
@@ -75,7 +80,7 @@ BEGIN {
     for (k = 1; k <= nl; k++) {
         split(lines[k], part, "|")
         if (part[1] != "character special file") continue
-        if (hex2dec(part[2]) == 195) visible[hex2dec(part[3])] = 1
+        if (hex2dec(part[2]) == gpu_major) visible[hex2dec(part[3])] = 1
         else if (hex2dec(part[2]) == caps_major) visible_cap[hex2dec(part[3])] = 1
     }
 
