@@ -91,6 +91,11 @@ _ETC_SECRETS = tuple(
     )
 )  # fmt: skip
 """Credentials under /etc that a sandbox run by root could otherwise read."""
+_SYSFS_HOST_VIEWS = tuple(
+    Path("/sys", name) for name in ("fs/cgroup", "class/net", "devices/virtual/net")
+)
+"""What /sys shows of the host beyond devices: its cgroup tree (every service and container
+on it), its network interfaces. A sandbox has a cgroup and a network namespace of its own."""
 _PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 _SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 
@@ -361,6 +366,9 @@ class ReferenceDriver(Driver):
                 argv += ["--tmpfs", str(secret)]
             elif secret.exists():
                 argv += ["--ro-bind", "/dev/null", str(secret)]
+        for view in _SYSFS_HOST_VIEWS:
+            if view.is_dir():
+                argv += ["--tmpfs", str(view)]
         return [*argv, "--perms", "1777", "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:

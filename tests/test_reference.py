@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import threading
 import uuid
@@ -80,6 +81,20 @@ def test_a_sandbox_outlives_the_thread_that_created_it(reference: ReferenceDrive
     thread.join()
     with created[0] as sandbox:
         assert sandbox.exec(["true"]).returncode == 0
+
+
+def test_sys_shows_neither_the_hosts_cgroups_nor_its_network_interfaces(
+    reference: ReferenceDriver,
+) -> None:
+    """Before: /sys/fs/cgroup listed every service of the host, /sys/class/net its NICs."""
+    host_side = sorted(os.listdir("/sys/class/net")), sorted(os.listdir("/sys/fs/cgroup"))
+    assert all(host_side), "the host shows interfaces and cgroups: the test needs both"
+    with reference.create(SandboxSpec()) as sandbox:
+        for view in ("/sys/fs/cgroup", "/sys/class/net", "/sys/devices/virtual/net"):
+            listing = sandbox.exec(["ls", "-A", view]).check().stdout
+            assert listing == "", f"{view} inside shows the host's: {listing!r}"
+        # What a GPU's user needs of /sys stays: the PCI devices, for NVML.
+        assert sandbox.exec(["ls", "/sys/bus/pci/devices"]).check().stdout.strip()
 
 
 @pytest.mark.parametrize("parent", ["/var/tmp", "/opt"], ids=["outside", "in-a-system-dir"])
