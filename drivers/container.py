@@ -65,6 +65,8 @@ EXEC_API_TIMEOUT_S = 24 * 3600
 STOP_TIMEOUT_S = 10
 """A container whose keepalive closed exits in milliseconds; then it is removed by force."""
 REAP_TIMEOUT_S = 30.0
+KEEPALIVE_OPEN_TIMEOUT_S = 30.0
+"""A started container's shell opens its keepalive in milliseconds; a start may be slow."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,8 @@ class ContainerDriver(Driver):
         """Create (not start) the container; return its id."""
 
     @abstractmethod
-    def start_created(self, container_id: str) -> None: ...
+    def start_created(self, container_id: str) -> int:
+        """Start the created container; return its first process's pid on the host."""
 
     @abstractmethod
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
@@ -379,7 +382,7 @@ class ContainerDriver(Driver):
             holder = self.holder_for(container_id)
             try:
                 launch.hand_over(holder)
-                self.start_created(container_id)
+                keepalive.seal(self.start_created(container_id), KEEPALIVE_OPEN_TIMEOUT_S)
             except BaseException as exc:
                 self.remove_container(container_id)
                 if isinstance(exc, self.engine_errors()):
@@ -498,6 +501,47 @@ class Keepalive:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         _KEEPALIVE_FDS.add(fd)
         return cls(path, fd)
+
+    def seal(self, pid: int, timeout_s: float) -> None:
+        """Once the container's main process has the FIFO open, let nothing open it to write.
+
+        That process (``pid``, the first, or its child under the engine's init) opens it
+        read-write (which never blocks), so until then its owner, the container's root, may
+        write it; after, a command in the container that opened it to write would keep the
+        container alive past its creator. Without capabilities (every container's are
+        dropped) root is held to the owner's bits like anyone, and the FIFO's are now
+        read-only.
+        """
+        fifo = os.stat(self.path)
+
+        def opened() -> bool:
+            # The engine's init is the first process; the keepalive's shell, its child.
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except FileNotFoundError:
+                raise SandboxStartError(
+                    f"the container's first process (pid {pid}) ended before its keepalive "
+                    f"{self.path} was opened: has the image a /bin/sh?"
+                ) from None
+            for process in (pid, *children):
+                with contextlib.suppress(OSError):
+                    for fd in os.listdir(f"/proc/{process}/fd"):
+                        st = os.stat(f"/proc/{process}/fd/{fd}")
+                        if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
+                            return True
+            return False
+
+        try:
+            wait_for(
+                opened,
+                bool,
+                timeout_s=timeout_s,
+                what=f"the container's first process (pid {pid}) to open its keepalive",
+                interval_s=0.002,
+            )
+        except TimeoutError as exc:
+            raise SandboxStartError(str(exc)) from None
+        os.chmod(self.path, 0o400)
 
     def close(self) -> None:
         """Without its last writer, the container's main process exits by itself."""

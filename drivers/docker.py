@@ -118,8 +118,9 @@ class DockerDriver(ContainerDriver):
         )
         return str(created["Id"])
 
-    def start_created(self, container_id: str) -> None:
+    def start_created(self, container_id: str) -> int:
         self.api.start(container_id)
+        return int(self.api.inspect_container(container_id)["State"]["Pid"])
 
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
         api = _client(self.url, EXEC_API_TIMEOUT_S)

@@ -103,8 +103,11 @@ class PodmanDriver(ContainerDriver):
         )
         return str(container.id)
 
-    def start_created(self, container_id: str) -> None:
-        self.client.containers.get(container_id).start()
+    def start_created(self, container_id: str) -> int:
+        container = self.client.containers.get(container_id)
+        container.start()
+        container.reload()
+        return int(container.attrs["State"]["Pid"])
 
     def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
         client = _client(self.url, EXEC_API_TIMEOUT_S)

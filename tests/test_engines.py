@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
-from drivers.container import LIVENESS_TIMEOUT_S, SESSION_LABEL, ContainerDriver
+from drivers.container import KEEPALIVE_PATH, LIVENESS_TIMEOUT_S, SESSION_LABEL, ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
@@ -262,6 +262,23 @@ def test_bad_image_and_unknown_cdi_name_are_typed_errors_leaving_nothing(
     assert driver.sandboxes(driver.session_id) == []
     assert list(driver.keepalive_dir().glob(f"{driver.session_id}.*")) == []
     assert_all_gpus_grantable(driver, after="refusing a bad image and an unknown CDI name")
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=[engine.name for engine in ENGINES])
+def test_a_command_cannot_hold_its_containers_keepalive_open(
+    engine_host: GpuHost, engine: type[ContainerDriver]
+) -> None:
+    """Before: ``exec 5>`` on its FIFO (mounted read-only) worked, and kept it alive for good.
+
+    Past its creator's death, GPUs and all, until a reap.
+    """
+    driver = engine(engine_host, f"fifo-{time.time_ns()}")
+    with driver.create(SandboxSpec()) as sandbox:
+        tried = sandbox.exec(["sh", "-c", f"exec 5>{KEEPALIVE_PATH} && echo opened"])
+        assert (tried.returncode, tried.stdout) != (0, "opened\n"), tried
+        assert "Permission denied" in tried.stderr, tried
+        # Reading it stays harmless and possible: the first process does.
+        assert sandbox.exec(["test", "-r", KEEPALIVE_PATH]).returncode == 0
 
 
 def _dockerd_pid() -> int:
