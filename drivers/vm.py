@@ -93,6 +93,10 @@ from gpuhost.vfio import VfioBinder, VfioClaim, VfioError
 from gpuhost.wait import wait_for, wait_until
 
 QEMU = "qemu-system-x86_64"
+SECCOMP = ("-sandbox", "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny")
+"""QEMU's own seccomp filter: no obsolete system calls, no setuid or capability changes, no
+scheduling or affinity changes. Spawning stays allowed: a template's state is saved and
+loaded through ``exec:cat``, which QEMU 7.2 (Debian 12's) has no other file transport for."""
 IMAGE_ENV = "GPU_SANDBOX_VM_IMAGE"
 KERNEL_ENV = "GPU_SANDBOX_VM_KERNEL"
 INITRD_ENV = "GPU_SANDBOX_VM_INITRD"
@@ -632,6 +636,7 @@ class VmDriver(Driver):
             "setpriv", "--pdeathsig", "SIGKILL", "--",
             shutil.which(QEMU, path=_BASE_PATH) or QEMU,
             "-name", f"{NAME_PREFIX}/{self.session_id}/{sandbox_id}",
+            *SECCOMP,
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-accel", accel, *(["-cpu", "host"] if accel == "kvm" else []),
             "-M", "q35,memory-backend=mem",
@@ -977,7 +982,7 @@ def _cpio(root: Path) -> bytes:
 def _probe_kvm(image: GuestImage) -> tuple[str, str]:
     """Boot the guest under KVM to its init, with a deadline: ``("kvm", ...)`` if it got there."""
     argv = [
-        shutil.which(QEMU, path=_BASE_PATH) or QEMU,
+        shutil.which(QEMU, path=_BASE_PATH) or QEMU, *SECCOMP,
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-accel", "kvm", "-cpu", "host", "-M", "q35", "-m", f"{DEFAULT_MEMORY_MIB}M",
         "-kernel", str(image.kernel), "-initrd", str(image.initrd),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conformance import requirements
-from drivers.vm import VmDriver
+from drivers.vm import VmDriver, _qemu_processes
 from gpuhost import simulated
 from gpuhost.errors import UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost, HostConfig
@@ -150,6 +150,16 @@ def test_one_gpu_sees_its_own_address_and_a_second_vm_cannot_open_it(
         with pytest.raises(pci_proxy.GpuFunctionBusy):
             pci_proxy.GpuFunction.claim(locks, gpu.pci_bus_id)
     pci_proxy.GpuFunction.claim(locks, gpu.pci_bus_id).handed_over()
+
+
+def test_qemu_runs_under_its_seccomp_filter(vm_driver: VmDriver) -> None:
+    """Before: no ``-sandbox``: QEMU, a large attack surface facing the guest, unfiltered."""
+    with vm_driver.create(SandboxSpec()) as vm:
+        ((sandbox, pid),) = _qemu_processes(vm_driver.session_id)
+        assert sandbox == vm.id
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert "\nSeccomp:\t2\n" in status, status  # 2: a filter
+        assert vm.exec(["true"]).returncode == 0
 
 
 def test_version_names_the_acceleration_and_the_simulation(vm_driver: VmDriver) -> None:
