@@ -6,11 +6,19 @@ list a requirement is therefore **mandatory** (a failure fails the release), **o
 (a failure is reported but does not gate) or **not applicable** (its tests are skipped
 as such). A driver outside the golden list, selected by import path, is held to every
 requirement, and so is every driver to a requirement the list does not know.
+
+The suite's YAML files, this list and the workload manifest, are read by one strict reader
+(``read_yaml``) and refused with a typed error (``InvalidFile``) that names the field and
+the value (``shown``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import re
+import reprlib
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +29,28 @@ REQUIREMENTS_FILE = Path(__file__).with_name("REQUIREMENTS.yaml")
 
 Level = Literal["mandatory", "optional", "not applicable"]
 LEVELS: tuple[Level, ...] = ("mandatory", "optional", "not applicable")
+ID = re.compile(r"[A-Z][A-Z0-9-]{0,62}[A-Z0-9]")
+"""A requirement id: upper case letters, digits and dashes, such as GPU-COUNT-01."""
+_DRIVER = re.compile(r"[a-z][a-z0-9-]{0,62}")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+MAX_YAML_BYTES = 64 << 10
+"""Four times the largest YAML file of the suite's; the reader takes up to 3 s on one this size."""
+MAX_YAML_DEPTH = 16
+"""Deeper than any of the suite's YAML files nests, far short of Python's recursion limit."""
+
+
+class InvalidFile(ValueError):
+    """A YAML file of the suite's that cannot be used: ``field`` is where, ``value`` what."""
+
+    def __init__(self, source: Path, field: str, value: object, problem: str) -> None:
+        super().__init__(f"{source}: {field}: {problem}")
+        self.source = source
+        self.field = field
+        self.value = value
+
+
+class RequirementsError(InvalidFile):
+    """A golden list that cannot be used; ``field`` starts with the requirement's id."""
 
 
 @dataclass(frozen=True)
@@ -54,21 +84,258 @@ class GoldenList:
         return {entry.id: self.level(entry.id, driver) for entry in self.requirements}
 
 
-def parse(document: dict[str, Any]) -> GoldenList:
-    return GoldenList(
-        drivers=tuple(document["drivers"]),
-        requirements=tuple(
-            Requirement(
-                id=str(entry["id"]),
-                statement=str(entry["statement"]),
-                drivers=tuple(entry["drivers"]),
-                optional=tuple(entry.get("optional", ())),
+def parse(document: object, source: Path = REQUIREMENTS_FILE) -> GoldenList:
+    """The golden list of a YAML document: every key present, of its type, and no other."""
+    top = _mapping(source, "", document, {"drivers", "requirements"})
+    drivers = _names(source, "drivers", top["drivers"], None)
+    found: dict[str, Requirement] = {}
+    entries = listed(source, "requirements", top["requirements"], RequirementsError)
+    for index, entry in enumerate(entries):
+        requirement = _requirement(source, f"requirements[{index}]", entry, drivers)
+        if requirement.id in found:
+            raise RequirementsError(
+                source,
+                f"requirements[{index}].id",
+                requirement.id,
+                f"{requirement.id} is used twice",
             )
-            for entry in document["requirements"]
-        ),
-    )
+        found[requirement.id] = requirement
+    return GoldenList(drivers=drivers, requirements=tuple(found.values()))
 
 
 @functools.cache
 def load(path: Path = REQUIREMENTS_FILE) -> GoldenList:
-    return parse(yaml.safe_load(path.read_text()))
+    return parse(read_yaml(path, RequirementsError), path)
+
+
+def _requirement(source: Path, where: str, entry: object, drivers: tuple[str, ...]) -> Requirement:
+    if not isinstance(entry, dict):
+        raise RequirementsError(source, where, entry, f"must be a mapping, got {shown(entry)}")
+    id_ = entry.get("id")
+    if not (isinstance(id_, str) and ID.fullmatch(id_)):
+        raise RequirementsError(
+            source, f"{where}.id", id_, f"must be an id such as GPU-COUNT-01, got {shown(id_)}"
+        )
+    fields = _mapping(source, id_, entry, {"id", "statement", "drivers"}, {"optional"})
+    statement = fields["statement"]
+    if not (isinstance(statement, str) and statement.strip()):
+        raise RequirementsError(
+            source, f"{id_}.statement", statement, f"must be a sentence, got {shown(statement)}"
+        )
+    applies = _names(source, f"{id_}.drivers", fields["drivers"], drivers)
+    optional = _names(source, f"{id_}.optional", fields.get("optional", []), applies)
+    return Requirement(id=id_, statement=statement, drivers=applies, optional=optional)
+
+
+def _mapping(
+    source: Path,
+    where: str,
+    value: object,
+    required: Collection[str],
+    optional: Collection[str] = (),
+) -> Mapping[str, object]:
+    field = where or "(document)"
+    if not isinstance(value, dict):
+        raise RequirementsError(source, field, value, f"must be a mapping, got {shown(value)}")
+    known = sorted({*required, *optional})
+    for key in value:
+        if key not in known:
+            raise RequirementsError(
+                source,
+                member(where, key),
+                value[key],
+                f"unknown key {shown(key)} (known: {', '.join(known)})",
+            )
+    for key in required:
+        if key not in value:
+            raise RequirementsError(source, member(where, key), None, "is required")
+    return value
+
+
+def _names(
+    source: Path, field: str, value: object, allowed: Collection[str] | None
+) -> tuple[str, ...]:
+    """A list of distinct driver names, each one of ``allowed`` when that is given."""
+    if not isinstance(value, list):
+        raise RequirementsError(
+            source, field, value, f"must be a list of driver names, got {shown(value)}"
+        )
+    seen: set[str] = set()
+    for index, name in enumerate(value):
+        if allowed is None:
+            ok = isinstance(name, str) and bool(_DRIVER.fullmatch(name))
+            what = "a driver's name (lower case letters, digits and dashes)"
+        else:
+            ok = isinstance(name, str) and name in allowed
+            what = f"one of {', '.join(allowed) or 'none'}"
+        if not ok:
+            raise RequirementsError(
+                source, f"{field}[{index}]", name, f"must be {what}, got {shown(name)}"
+            )
+        if name in seen:
+            raise RequirementsError(source, f"{field}[{index}]", name, f"{name} is listed twice")
+        seen.add(name)
+    return tuple(value)
+
+
+def listed(source: Path, field: str, value: object, error: type[InvalidFile]) -> list[object]:
+    """``value`` as a non-empty list, else ``error``."""
+    if not isinstance(value, list) or not value:
+        raise error(source, field, value, f"must be a non-empty list, got {shown(value)}")
+    return value
+
+
+# -- the suite's YAML, read strictly ----------------------------------------------------------
+
+
+def read_yaml(path: Path, error: type[InvalidFile]) -> object:
+    """The YAML document of ``path``, else ``error`` for the field ``(document)``.
+
+    UTF-8, at most ``MAX_YAML_BYTES``, one document without anchors, aliases (an alias bomb
+    is refused before it is expanded) or tags, no key twice, nested ``MAX_YAML_DEPTH`` deep
+    at most. A scalar Python cannot hold (an integer of over 4,300 digits, a date of the
+    13th month) is read as an ``Unreadable``, for the field that holds it to refuse.
+    """
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise error(path, "(document)", None, f"cannot be read: {exc.strerror}") from exc
+    if len(data) > MAX_YAML_BYTES:
+        raise error(path, "(document)", None, f"is over {MAX_YAML_BYTES} bytes")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.end]
+        raise error(
+            path, "(document)", bad, f"is not UTF-8: {bad!r} at byte offset {exc.start}"
+        ) from exc
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        problem = f"is not YAML as the suite reads it: {_problem(exc)}"
+        raise error(path, "(document)", None, problem) from exc
+
+
+class Unreadable:
+    """A YAML scalar Python cannot hold as its type, standing in for it."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return self.what
+
+
+class _Loader(yaml.SafeLoader):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
+            sign, what = (
+                ("*", "an alias") if isinstance(event, yaml.AliasEvent) else ("&", "an anchor")
+            )
+            problem = f"{what} {shown(sign + event.anchor)}: anchors and aliases are not allowed"
+            raise _refused(event, problem)
+        if isinstance(event, yaml.ScalarEvent | yaml.CollectionStartEvent) and event.tag:
+            raise _refused(event, f"the tag {shown(event.tag)}: tags are not allowed")
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _refused(event, f"nested over {MAX_YAML_DEPTH} deep")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        mapping = super().construct_mapping(node, deep)
+        if len(mapping) < len(node.value):
+            seen: set[Hashable] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {shown(key)} is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+        return mapping
+
+
+def _refused(event: yaml.Event, problem: str) -> yaml.YAMLError:
+    mark = event.start_mark if isinstance(event.start_mark, yaml.Mark) else None
+    return yaml.composer.ComposerError(None, None, problem, mark)
+
+
+def _integer(loader: _Loader, node: yaml.ScalarNode) -> object:
+    try:
+        return loader.construct_yaml_int(node)
+    except ValueError:  # over sys.get_int_max_str_digits()
+        return Unreadable(f"an integer of {sum(c.isdigit() for c in node.value)} digits")
+
+
+def _timestamp(loader: _Loader, node: yaml.ScalarNode) -> object:
+    try:
+        return loader.construct_yaml_timestamp(node)
+    except ValueError as exc:
+        return Unreadable(f"the impossible date {shown(node.value)}: {exc}")
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _integer)
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
+
+
+def _problem(exc: yaml.YAMLError) -> str:
+    """What YAML found wrong, on one line: where and what, without its quote of the text."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return (
+            f"line {mark.line + 1}, column {mark.column + 1}: {' '.join(str(exc.problem).split())}"
+        )
+    return " ".join(str(exc).split())
+
+
+# -- values in messages -----------------------------------------------------------------------
+
+
+class _Short(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        return _digits(x) if abs(x) >= 10**40 else repr(x)
+
+
+_SHORT = _Short()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxdict = 6
+_SHORT.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """``value`` for a one-line message: its repr, cut short, with its full length."""
+    if isinstance(value, Unreadable):
+        return value.what
+    text = _SHORT.repr(value)
+    if isinstance(value, str) and len(value) > _SHORT.maxstring:
+        text += f" ({len(value)} characters)"
+    elif isinstance(value, list | dict) and len(value) > _SHORT.maxlist:
+        text += f" ({len(value)} items)"
+    return text if len(text) <= 160 else f"{text[:157]}..."
+
+
+def member(where: str, key: object) -> str:
+    """``where.key``, or ``where[<key shown>]`` for a key that is no plain word."""
+    if isinstance(key, str) and _WORD.fullmatch(key):
+        return f"{where}.{key}" if where else key
+    return f"{where}[{shown(key)}]"
+
+
+def _digits(number: int) -> str:
+    """``an integer of N digits``, counted without writing it out."""
+    size = abs(number)
+    digits = int(math.log10(size)) + 1
+    if size >= 10**digits:
+        digits += 1
+    elif size < 10 ** (digits - 1):
+        digits -= 1
+    return f"{'a negative' if number < 0 else 'an'} integer of {digits} digits"
