@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conformance import requirements
+from conformance.requirements import shown
 from workloads.manifest import (
     MANIFEST,
     PAYLOADS,
@@ -19,13 +21,7 @@ from workloads.manifest import (
     load_manifest,
 )
 
-ROOT = Path(__file__).parent.parent
-GOLDEN = {
-    str(entry["id"])
-    for entry in yaml.safe_load((ROOT / "conformance" / "REQUIREMENTS.yaml").read_text())[
-        "requirements"
-    ]
-}
+GOLDEN = set(requirements.load().by_id)
 GOOD = {
     "name": "mine",
     "requirement": "WORKLOAD-CUDA-01",
@@ -48,7 +44,10 @@ def test_the_shipped_manifest_loads_against_the_golden_list() -> None:
 
 def write(tmp_path: Path, document: object) -> Path:
     path = tmp_path / "manifest.yaml"
-    path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
+    if isinstance(document, bytes):
+        path.write_bytes(document)
+    else:
+        path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
     return path
 
 
@@ -98,6 +97,17 @@ BAD = {
         ["x"],
     ),
     "timeout": ([entry(timeout_s=0)], InvalidValue, "workloads[0].timeout_s", 0),
+    "timeout over a day": (
+        [entry(timeout_s=86_401)],
+        InvalidValue,
+        "workloads[0].timeout_s",
+        86_401,
+    ),
+    "gpus over 1024": ([entry(gpus=1025)], InvalidValue, "workloads[0].gpus", 1025),
+    "runs over 100": ([entry(runs=101)], InvalidValue, "workloads[0].runs", 101),
+    "name over 255": ([entry(name="a" * 256)], InvalidValue, "workloads[0].name", "a" * 256),
+    "image with a space": ([entry(image="a b")], InvalidValue, "workloads[0].image", "a b"),
+    "arg with a NUL": ([entry(args=["a\0"])], InvalidValue, "workloads[0].args[0]", "a\0"),
     "runs zero": ([entry(runs=0)], InvalidValue, "workloads[0].runs", 0),
     "runs bool": ([entry(runs=True)], InvalidValue, "workloads[0].runs", True),
     "duplicate": ([entry(), entry()], DuplicateName, "workloads[1].name", "mine"),
@@ -115,7 +125,126 @@ def test_a_bad_manifest_names_the_field_and_the_value(
     assert (caught.value.field, caught.value.value) == (field, value)
     assert field in str(caught.value)
     if value is not None:
-        assert repr(value) in str(caught.value)
+        assert shown(value) in str(caught.value)
+
+
+ENTRY = """workloads:
+  - name: mine
+    requirement: WORKLOAD-CUDA-01
+    payload: control.py
+    gpus: 1
+    expect: pass
+"""
+BOMB = "".join(
+    f"      {chr(98 + level)}: &{chr(98 + level)} [{', '.join([f'*{chr(97 + level)}'] * 9)}]\n"
+    for level in range(9)
+)
+HOSTILE = {
+    "not UTF-8": (
+        ENTRY.encode().replace(b"mine", b"m\xffne"),
+        "(document): is not UTF-8: b'\\xff' at byte offset 22",
+    ),
+    "an integer of 4,400 digits": (
+        ENTRY.replace("gpus: 1", "gpus: " + "9" * 4400),
+        "workloads[0].gpus: must be a whole number from 0 to 1024, got an integer of 4400 digits",
+    ),
+    "a huge timeout": (
+        ENTRY + "    timeout_s: 1" + "0" * 400,
+        "workloads[0].timeout_s: must be seconds, over 0 and at most 86400, "
+        "got an integer of 401 digits",
+    ),
+    "a payload name over 255 characters": (
+        ENTRY.replace("control.py", "x" * 300),
+        "workloads[0].payload: must name a file in "
+        f"{PAYLOADS}, got '{'x' * 27}...{'x' * 28}' (300 characters)",
+    ),
+    "timeout .nan": (
+        ENTRY + "    timeout_s: .nan",
+        "workloads[0].timeout_s: must be seconds, over 0 and at most 86400, got nan",
+    ),
+    "timeout .inf": (
+        ENTRY + "    timeout_s: .inf",
+        "workloads[0].timeout_s: must be seconds, over 0 and at most 86400, got inf",
+    ),
+    "a name ending in a newline": (
+        ENTRY.replace("name: mine", 'name: "abc\\n"'),
+        "workloads[0].name: must be lower case letters, digits and dashes, 255 at most, "
+        "got 'abc\\n'",
+    ),
+    "gpus 10**400": (
+        ENTRY.replace("gpus: 1", "gpus: 1" + "0" * 400),
+        "workloads[0].gpus: must be a whole number from 0 to 1024, got an integer of 401 digits",
+    ),
+    "an alias bomb under an unknown key": (
+        ENTRY + "    extra:\n      a: &a [x, x, x, x, x, x, x, x, x]\n" + BOMB,
+        "(document): is not YAML as the suite reads it: line 8, column 10: "
+        "an anchor '&a': anchors and aliases are not allowed",
+    ),
+    "an alias alone": (
+        ENTRY.replace("gpus: 1", "gpus: *one"),
+        "(document): is not YAML as the suite reads it: line 5, column 11: "
+        "an alias '*one': anchors and aliases are not allowed",
+    ),
+    "a tag": (
+        ENTRY.replace("gpus: 1", "gpus: !!int '1'"),
+        "(document): is not YAML as the suite reads it: line 5, column 11: "
+        "the tag 'tag:yaml.org,2002:int': tags are not allowed",
+    ),
+    "a key twice": (
+        ENTRY + "    gpus: 2",
+        "(document): is not YAML as the suite reads it: line 7, column 5: "
+        "the key 'gpus' is given twice",
+    ),
+    "nested 5,000 deep": (
+        ENTRY + "    args: " + "[" * 5000 + "]" * 5000,
+        "(document): is not YAML as the suite reads it: line 7, column 24: nested over 16 deep",
+    ),
+    "a hexadecimal integer of 6,021 digits": (
+        ENTRY.replace("gpus: 1", "gpus: [0x" + "f" * 5000 + "]"),
+        "workloads[0].gpus: must be a whole number from 0 to 1024, got [an integer of 6021 digits]",
+    ),
+    "the 13th month": (
+        ENTRY.replace("gpus: 1", "gpus: 2001-13-01"),
+        "workloads[0].gpus: must be a whole number from 0 to 1024, "
+        "got the impossible date '2001-13-01': month must be in 1..12",
+    ),
+    "an unknown key with a newline": (
+        ENTRY + '    "gp\\nus": 1',
+        "workloads[0]['gp\\nus']: unknown field 'gp\\nus', set to 1 (known: args, command, "
+        "expect, gpus, image, name, payload, requirement, runs, timeout_s)",
+    ),
+    "a lone surrogate in a command": (
+        ENTRY.replace("payload: control.py", 'command: ["\\ud800"]'),
+        "workloads[0].command[0]: must be text without a NUL byte or a lone surrogate, "
+        "got '\\ud800'",
+    ),
+    "over 64 KiB": (
+        ENTRY + "#" * (64 << 10),
+        "(document): is over 65536 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "said"), HOSTILE.values(), ids=list(HOSTILE))
+def test_hostile_input_is_refused_by_field_on_one_line(
+    tmp_path: Path, text: str | bytes, said: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ManifestError) as caught:
+        load_manifest(path, GOLDEN)
+    assert str(caught.value) == f"{path}: {said}"
+    assert caught.value.field == said.split(": ")[0]
+
+
+def test_a_missing_manifest_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(InvalidValue, match="cannot be read: No such file or directory"):
+        load_manifest(tmp_path / "nope.yaml")
+
+
+def test_the_bounds_themselves_are_accepted(tmp_path: Path) -> None:
+    top = entry(name="a" * 255, gpus=1024, timeout_s=86_400, runs=100, image="a/b:c")
+    (workload,) = load_manifest(write(tmp_path, {"workloads": [top]}), GOLDEN)
+    assert (workload.gpus, workload.timeout_s, workload.runs) == (1024, 86_400.0, 100)
 
 
 def test_placeholders_become_the_sandboxes_gpus() -> None:

@@ -7,13 +7,19 @@ workloads:
     payload: torch_checks.py        # a script under workloads/payloads/ ...
     args: [matmul]                  # ... and its arguments
     # command: [nvidia-smi, -L]     # ... or a command run as it is, instead of a payload
-    gpus: 1                         # GPUs to request; 0 requests none
+    gpus: 1                         # GPUs to request, 0 to 1024; 0 requests none
     expect: pass                    # pass or fail
     image: my/cuda-image:tag        # optional; else --image
-    timeout_s: 300                  # optional (default 300)
-    runs: 2                         # optional (default 1): runs in one sandbox, one after
-                                    # the other; each must end as expected
+    timeout_s: 300                  # optional (default 300), over 0 and at most 86400
+    runs: 2                         # optional (default 1, at most 100): runs in one
+                                    # sandbox, one after the other; each must end as expected
 ```
+
+A name is at most 255 characters; a payload is a file name (letters, digits, ``_``, ``.``
+and ``-``, at most 255); an image is printable ASCII without spaces, at most 512
+characters; no string of ``args`` or ``command`` holds a NUL byte. The file is read by
+``conformance.requirements.read_yaml``: UTF-8, at most 64 KiB, no anchors, aliases or tags,
+no key twice.
 
 In ``args`` and ``command``, ``{gpu_uuids}`` becomes the sandbox's GPUs' UUIDs, comma
 separated, and ``{gpu_count}`` their number. A payload passes when it prints a JSON line
@@ -25,12 +31,12 @@ exits 0 and fails otherwise.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from conformance.requirements import ID, InvalidFile, listed, member, read_yaml, shown
 
 MANIFEST = Path(__file__).parent / "manifest.yaml"
 PAYLOADS = Path(__file__).parent / "payloads"
@@ -38,8 +44,15 @@ REQUIREMENT_PREFIX = "WORKLOAD-"
 """Requirements of the workload lane start with it; the conformance catalogue's do not."""
 DEFAULT_TIMEOUT_S = 300.0
 """A cold host takes tens of seconds to import CUDA libraries and compile kernels."""
+MAX_TIMEOUT_S = 86_400.0
+"""A day: no workload of ours runs for hours, and a bound keeps a typo from meaning never."""
+MAX_GPUS = 1024
+"""More than any host has: a count above it is a typo, refused before a sandbox is asked for."""
+MAX_RUNS = 100
 OUTCOMES = ("pass", "fail")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,254}")
+_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_IMAGE = re.compile(r"[!-~]{1,512}")
 _KEYS = frozenset(
     {
         "name",
@@ -56,14 +69,8 @@ _KEYS = frozenset(
 )
 
 
-class ManifestError(ValueError):
+class ManifestError(InvalidFile):
     """A manifest that cannot be used: ``field`` is where, ``value`` what was found there."""
-
-    def __init__(self, source: Path, field: str, value: object, problem: str) -> None:
-        super().__init__(f"{source}: {field}: {problem}")
-        self.source = source
-        self.field = field
-        self.value = value
 
 
 class MissingField(ManifestError):
@@ -121,31 +128,23 @@ def load_manifest(
     path: Path = MANIFEST, requirements: Collection[str] | None = None
 ) -> tuple[Workload, ...]:
     """Read and check a manifest; ``requirements``, when given, are the ids it may name."""
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InvalidValue(path, "(document)", None, f"not YAML: {exc}") from exc
-    if not isinstance(document, Mapping) or set(document) != {"workloads"}:
+    document = read_yaml(path, InvalidValue)
+    if not isinstance(document, dict) or set(document) != {"workloads"}:
         raise InvalidValue(
             path,
             "(document)",
             document,
-            f"must be a mapping with one key, 'workloads', got {_shown(document)}",
+            f"must be a mapping with one key, 'workloads', got {shown(document)}",
         )
-    entries = document["workloads"]
-    if not isinstance(entries, list) or not entries:
-        raise InvalidValue(
-            path, "workloads", entries, f"must be a non-empty list, got {_shown(entries)}"
-        )
-    workloads: list[Workload] = []
-    for index, entry in enumerate(entries):
+    workloads: dict[str, Workload] = {}
+    for index, entry in enumerate(listed(path, "workloads", document["workloads"], InvalidValue)):
         workload = _parse(_Entry(path, f"workloads[{index}]", entry), requirements)
-        if any(seen.name == workload.name for seen in workloads):
+        if workload.name in workloads:
             raise DuplicateName(
                 path, f"workloads[{index}].name", workload.name, f"'{workload.name}' is used twice"
             )
-        workloads.append(workload)
-    return tuple(workloads)
+        workloads[workload.name] = workload
+    return tuple(workloads.values())
 
 
 @dataclass(frozen=True)
@@ -162,41 +161,36 @@ class _Entry:
     def invalid(self, key: str, problem: str) -> InvalidValue:
         value = self.raw.get(key)
         return InvalidValue(
-            self.source, f"{self.where}.{key}", value, f"{problem}, got {_shown(value)}"
+            self.source, f"{self.where}.{key}", value, f"{problem}, got {shown(value)}"
         )
 
 
 def _parse(entry: _Entry, requirements: Collection[str] | None) -> Workload:
-    if not isinstance(entry.raw, Mapping):
-        raise InvalidValue(entry.source, entry.where, entry.raw, "must be a mapping")
+    if not isinstance(entry.raw, dict):
+        raise InvalidValue(
+            entry.source, entry.where, entry.raw, f"must be a mapping, got {shown(entry.raw)}"
+        )
     for key in entry.raw:
         if key not in _KEYS:
             raise UnknownField(
                 entry.source,
-                f"{entry.where}.{key}",
+                member(entry.where, key),
                 entry.raw[key],
-                f"unknown field '{key}', set to {_shown(entry.raw[key])} "
+                f"unknown field {shown(key)}, set to {shown(entry.raw[key])} "
                 f"(known: {', '.join(sorted(_KEYS))})",
             )
     name = entry.get("name")
-    if not (isinstance(name, str) and _NAME.match(name)):
-        raise entry.invalid("name", "must be lower case letters, digits and dashes")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise entry.invalid("name", "must be lower case letters, digits and dashes, 255 at most")
     requirement = entry.get("requirement")
-    if not isinstance(requirement, str) or (
+    if not (isinstance(requirement, str) and ID.fullmatch(requirement)) or (
         requirements is not None and requirement not in requirements
     ):
         raise entry.invalid("requirement", "must be an id of conformance/REQUIREMENTS.yaml")
-    gpus = entry.get("gpus")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise entry.invalid("gpus", "must be a whole number, 0 or more")
+    gpus = _whole(entry, "gpus", 0, MAX_GPUS)
     expect = entry.get("expect")
-    if expect not in OUTCOMES:
+    if not (isinstance(expect, str) and expect in OUTCOMES):
         raise entry.invalid("expect", "must be 'pass' or 'fail'")
-    runs = entry.get("runs", required=False)
-    if runs is None:
-        runs = 1
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise entry.invalid("runs", "must be a whole number, 1 or more")
     return Workload(
         name=name,
         requirement=requirement,
@@ -207,8 +201,17 @@ def _parse(entry: _Entry, requirements: Collection[str] | None) -> Workload:
         args=_strings(entry, "args"),
         image=_image(entry),
         timeout_s=_timeout(entry),
-        runs=runs,
+        runs=_whole(entry, "runs", 1, MAX_RUNS, default=1),
     )
+
+
+def _whole(entry: _Entry, key: str, low: int, high: int, default: int | None = None) -> int:
+    value = entry.get(key, required=default is None)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise entry.invalid(key, f"must be a whole number from {low} to {high}")
+    return value
 
 
 def _payload(entry: _Entry) -> Path | None:
@@ -219,8 +222,10 @@ def _payload(entry: _Entry) -> Path | None:
         if "args" in entry.raw:
             raise entry.invalid("args", "args go with a payload; a command carries its own")
         return None
-    path = PAYLOADS / str(payload)
-    if not isinstance(payload, str) or path.parent != PAYLOADS or not path.is_file():
+    if not (isinstance(payload, str) and _FILE.fullmatch(payload)):
+        raise entry.invalid("payload", f"must name a file in {PAYLOADS}")
+    path = PAYLOADS / payload
+    if not path.is_file():
         raise entry.invalid("payload", f"must name a file in {PAYLOADS}")
     return path
 
@@ -231,13 +236,29 @@ def _strings(entry: _Entry, key: str) -> tuple[str, ...]:
         raise entry.invalid(key, "must be a list of strings")
     if key == "command" and key in entry.raw and not value:
         raise entry.invalid(key, "must not be empty")
+    for index, item in enumerate(value):
+        if "\0" in item or not _encodable(item):
+            raise InvalidValue(
+                entry.source,
+                f"{entry.where}.{key}[{index}]",
+                item,
+                f"must be text without a NUL byte or a lone surrogate, got {shown(item)}",
+            )
     return tuple(value)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _image(entry: _Entry) -> str | None:
     image = entry.get("image", required=False)
-    if image is not None and not (isinstance(image, str) and image):
-        raise entry.invalid("image", "must be an image reference")
+    if image is not None and not (isinstance(image, str) and _IMAGE.fullmatch(image)):
+        raise entry.invalid("image", "must be an image reference (printable ASCII, no spaces)")
     return image
 
 
@@ -245,12 +266,10 @@ def _timeout(entry: _Entry) -> float:
     timeout = entry.get("timeout_s", required=False)
     if timeout is None:
         return DEFAULT_TIMEOUT_S
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise entry.invalid("timeout_s", "must be a positive number of seconds")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_TIMEOUT_S
+    ):
+        raise entry.invalid("timeout_s", f"must be seconds, over 0 and at most {MAX_TIMEOUT_S:g}")
     return float(timeout)
-
-
-def _shown(value: object) -> str:
-    """``repr(value)``, cut short: a message names the value, it does not reprint a file."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
