@@ -91,7 +91,10 @@ def parse(data: bytes) -> Document:
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
+    document = dict(pairs)
+    if len(document) == len(pairs):
+        return document
+    document = {}
     for key, value in pairs:
         if key in document:
             raise InvalidLeaseFile("", f"the key {_short(key)} appears twice in one object")
@@ -122,11 +125,51 @@ def _document(document: object) -> Document:
     leases = document.get("leases")
     if not isinstance(leases, list):
         raise InvalidLeaseFile("leases", f"a {_kind(leases)}, not an array")
-    return Document(version, boot, tuple(_lease(f"leases[{i}]", x) for i, x in enumerate(leases)))
+    return Document(
+        version,
+        boot,
+        tuple(x if _plainly_valid(x) else _lease(f"leases[{i}]", x) for i, x in enumerate(leases)),
+    )
 
 
 _REQUIRED = ("gpu_uuid", "driver", "sandbox_id", "session_id", "holder", "mode", "acquired_at")
 _OPTIONAL = ("parent_uuid", "share_limit")
+_REQUIRED_KEYS = frozenset(_REQUIRED)
+_ALLOWED_KEYS = frozenset((*_REQUIRED, *_OPTIONAL))
+_HOLDER_KEYS = frozenset(("kind", "ref"))
+
+
+def _plainly_valid(lease: object) -> bool:
+    """A lease as writers write it, judged at a glance: every grant reads every lease.
+
+    True only where ``_lease`` would accept it unchanged; anything else gets ``_lease``'s
+    checks one by one, which name what is wrong.
+    """
+    if type(lease) is not dict or not _REQUIRED_KEYS <= lease.keys() <= _ALLOWED_KEYS:
+        return False
+    holder, acquired = lease["holder"], lease["acquired_at"]
+    return (
+        _filled(lease["gpu_uuid"])
+        and _filled(lease["driver"])
+        and _filled(lease["sandbox_id"])
+        and type(lease["session_id"]) is str
+        and type(holder) is dict
+        and holder.keys() == _HOLDER_KEYS
+        and _filled(holder["kind"])
+        and _filled(holder["ref"])
+        and (holder["kind"] != "process" or _PROCESS_REF.fullmatch(holder["ref"]) is not None)
+        and lease["mode"] in MODES
+        and (type(acquired) is int or (type(acquired) is float and math.isfinite(acquired)))
+        and ("parent_uuid" not in lease or _filled(lease["parent_uuid"]))
+        and (
+            "share_limit" not in lease
+            or (type(lease["share_limit"]) is int and lease["share_limit"] >= 1)
+        )
+    )
+
+
+def _filled(value: object) -> bool:
+    return type(value) is str and value != ""
 
 
 def _lease(where: str, lease: object) -> Mapping[str, Any]:
@@ -239,13 +282,18 @@ def check_file(path: Path, st: os.stat_result, owner: int | None) -> None:
         raise LeaseFileCorrupt(f"the lease file {path} {problem}: refusing to read it")
 
 
-def others_files(directory: Path, me: int) -> Iterator[tuple[int, Path]]:
-    """The lease files of every user but ``me``, by the uid their names give."""
+def others_files(directory: Path, me: int) -> Iterator[tuple[int | None, Path]]:
+    """The lease files of every user but ``me``, by the uid their names give.
+
+    And the legacy file, with None for its owner: whoever wrote it.
+    """
     with os.scandir(directory) as entries:
         for entry in entries:
             owner = file_owner(entry.name)
             if owner is not None and owner != me:
                 yield owner, Path(entry.path)
+            elif entry.name == LEGACY_FILE:
+                yield None, Path(entry.path)
 
 
 def read_file(path: Path, owner: int | None) -> tuple[bytes, float] | None:

@@ -476,22 +476,17 @@ class LeaseRegistry:
 
     def _load_others(self) -> list[Lease]:
         """Every other user's leases, and a refusal while a file of version 3 holds one."""
-        self._refuse_a_legacy_file()
         found: list[Lease] = []
         for owner, path in leasefile.others_files(self.directory, self.uid):
             read = leasefile.read_file(path, owner)
-            if read is not None:
-                found.extend(self._read(path, *read))
+            leases = [] if read is None else self._read(path, *read)
+            if owner is None and leases:
+                raise LeaseFileCorrupt(
+                    f"{path} holds leases of a client of protocol version 3 or older, which "
+                    "cannot share a host with this one: stop it, then delete the file"
+                )
+            found.extend(leases)
         return found
-
-    def _refuse_a_legacy_file(self) -> None:
-        legacy = self.directory / leasefile.LEGACY_FILE
-        read = leasefile.read_file(legacy, None)
-        if read is not None and self._read(legacy, *read):
-            raise LeaseFileCorrupt(
-                f"{legacy} holds leases of a client of protocol version 3 or older, which "
-                "cannot share a host with this one: stop it, then delete the file"
-            )
 
     def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
         """The leases of this boot in a lease file: ``parse``, then the boot's rule."""
