@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.lane import time_lane
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from gpuhost import simulated
@@ -38,7 +39,6 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import EXCLUSIVE, SHARED, Holder, LeaseOwner, LeaseRegistry
 from gpuhost.spec import SandboxSpec
 
-ROOT = Path(__file__).parent.parent
 MARKER_HOLD_S = 0.0005
 """How long a checking worker holds a GPU's marker: long enough for overlaps to show."""
 
@@ -82,17 +82,12 @@ def bench_lifecycle(host: GpuHost, iterations: int) -> tuple[float, float]:
 
 
 def bench_lane(sim_root: Path, runs: int) -> list[float]:
-    argv = [
-        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
-        "--driver=reference", f"--sim-root={sim_root}",
-    ]  # fmt: skip
     times = []
     for _ in range(runs):
-        start = time.perf_counter()
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
-        times.append(time.perf_counter() - start)
-        if done.returncode != 0:
-            sys.exit(f"the reference lane failed:\n{done.stdout[-3000:]}")
+        run = time_lane("--driver=reference", f"--sim-root={sim_root}")
+        times.append(run.seconds)
+        if run.returncode != 0:
+            sys.exit(f"the reference lane failed:\n{run.output[-3000:]}")
     return times
 
 

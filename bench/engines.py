@@ -20,11 +20,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-from bench.__main__ import ROOT, interleaved_medians, sandbox_lifecycle
+from bench.__main__ import interleaved_medians, sandbox_lifecycle
+from bench.lane import time_lane
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
@@ -50,18 +50,13 @@ def bench_catalogue(
     sim_root: Path, drivers: str, runs: int, *extra: str
 ) -> tuple[list[float], int]:
     """Wall times of ``runs`` catalogue runs, and how many of them did not pass."""
-    argv = [
-        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
-        f"--driver={drivers}", f"--sim-root={sim_root}", *extra,
-    ]  # fmt: skip
     times, failed = [], 0
     for _ in range(runs):
-        start = time.perf_counter()
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
-        times.append(time.perf_counter() - start)
-        if done.returncode != 0:
+        run = time_lane(f"--driver={drivers}", f"--sim-root={sim_root}", *extra)
+        times.append(run.seconds)
+        if run.returncode != 0:
             failed += 1
-            print(f"   a run did not pass (exit {done.returncode}):\n{done.stdout[-2000:]}")
+            print(f"   a run did not pass (exit {run.returncode}):\n{run.output[-2000:]}")
     return times, failed
 
 

@@ -21,11 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-from bench.__main__ import ROOT, interleaved_medians, sandbox_lifecycle
+from bench.__main__ import interleaved_medians, sandbox_lifecycle
+from bench.lane import time_lane
 from drivers.kubernetes import DEFAULT_IMAGE, KubernetesDriver, pod_manifest
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
@@ -76,15 +76,8 @@ def cluster_memory() -> dict[str, int]:
 
 
 def lane(sim_root: Path) -> tuple[float, str]:
-    argv = [
-        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
-        "--driver=kubernetes", f"--sim-root={sim_root}",
-    ]  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
-    took = time.perf_counter() - start
-    verdict = [line for line in done.stdout.splitlines() if line.startswith("kubernetes:")]
-    return took, verdict[-1] if verdict else done.stdout[-800:]
+    run = time_lane("--driver=kubernetes", f"--sim-root={sim_root}")
+    return run.seconds, run.verdict("kubernetes")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).parent.parent
+from bench.lane import ROOT
+
 HOG = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"
 """Burns a core until stopped, or until the stress run that started it (argv[1]) is gone."""
 

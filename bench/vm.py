@@ -28,7 +28,8 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.__main__ import ROOT, interleaved_medians, sandbox_lifecycle
+from bench.__main__ import interleaved_medians, sandbox_lifecycle
+from bench.lane import time_lane
 from drivers import vm
 from drivers.vm import VmDriver
 from gpuhost import simulated
@@ -83,18 +84,14 @@ def _pss_rss(pid: int) -> tuple[int, int]:
 
 
 def lane(runs: int) -> list[float]:
-    argv = [
-        sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider",
-        "--driver=vm", "--sim-gpus=8", "--sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb",
-        "--sim-dri=intel:1,amd:2",
-    ]  # fmt: skip
     times = []
     for _ in range(runs):
-        start = time.perf_counter()
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
-        times.append(time.perf_counter() - start)
-        verdict = [line for line in done.stdout.splitlines() if line.startswith("vm: ")]
-        print(f"   {times[-1]:6.1f} s  {verdict[-1] if verdict else done.stdout[-500:]}")
+        run = time_lane(
+            "--driver=vm", "--sim-gpus=8", "--sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb",
+            "--sim-dri=intel:1,amd:2",
+        )  # fmt: skip
+        times.append(run.seconds)
+        print(f"   {run.seconds:6.1f} s  {run.verdict('vm')}")
     return times
 
 
