@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.fixtures import SandboxFactory, not_applicable
 from conformance.hold import REPLY_TIMEOUT_S, HeldSandbox, reap_from_a_fresh_process
 from conformance.observe import (
     assert_all_gpus_grantable,
@@ -21,7 +22,7 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings, not_applicable
+from conformance.settings import Settings
 from drivers.base import Driver
 from drivers.container import SESSION_LABEL, ContainerDriver, ContainerSandbox
 from gpuhost import cdi

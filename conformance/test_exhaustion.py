@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
     SIDE_BY_SIDE,
@@ -19,7 +20,7 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted

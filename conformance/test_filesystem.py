@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.observe import BOOT_ID
-from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
 from gpuhost.spec import SHARED, SandboxSpec
 

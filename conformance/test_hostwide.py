@@ -25,9 +25,10 @@ from uuid import uuid4
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.hold import RUN_HOLDER, HeldSandbox, close_all
 from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from gpuhost.devices import GpuDevice

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox, reap_from_a_fresh_process
 from conformance.observe import (
     assert_all_gpus_grantable,
@@ -20,7 +21,7 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Driver, ExecResult, Sandbox
 from gpuhost.errors import ExecTimeout, GpusExhausted, SandboxExecError
 from gpuhost.leases import Holder, LeaseOwner

@@ -6,6 +6,7 @@ import collections
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
     device_nodes,
@@ -17,7 +18,7 @@ from conformance.observe import (
     visible_gpu_uuids,
     visible_mig_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, GpuBusy, GpusExhausted, UnsupportedGpuRequest

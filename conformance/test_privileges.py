@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.observe import BOOT_ID
-from conformance.plugin import SandboxFactory
 from drivers.base import Sandbox
 from gpuhost.spec import SandboxSpec
 

@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conformance import requirements
+from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox
 from conformance.observe import create_side_by_side, describe_gpus, uuids, visible_gpu_uuids
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, UnsupportedGpuRequest

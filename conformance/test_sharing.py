@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
     create_side_by_side,
@@ -15,7 +16,7 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory, Settings
+from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SHARED, SandboxSpec

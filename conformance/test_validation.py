@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from conformance import requirements
+from conformance.fixtures import SandboxFactory
 from conformance.observe import assert_all_gpus_grantable
-from conformance.plugin import SandboxFactory
 from drivers.base import Driver
 from gpuhost.errors import (
     DriverError,

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.fixtures import SandboxFactory
 from conformance.observe import (
     create_side_by_side,
     cuda_visible_uuids,
@@ -17,7 +18,6 @@ from conformance.observe import (
     uuids,
     visible_gpu_uuids,
 )
-from conformance.plugin import SandboxFactory
 from drivers.base import Driver, Sandbox
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
 

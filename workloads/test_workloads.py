@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.plugin import SandboxFactory, Settings
+from conformance.fixtures import SandboxFactory
+from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.spec import SandboxSpec
 from workloads.harness import NOT_RUN, run_in_sandbox

@@ -1,0 +1,193 @@
+"""The fixtures the catalogue's tests take: the host, each driver, sandboxes, the settings.
+
+Every test that takes ``driver`` runs once per driver of the run; a driver that cannot run
+here is skipped with what it needed, or fails the run if it was named. Whatever a test
+leaves behind is closed and reaped after it, so that a failure points at its own
+requirement, not at the tests after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+import pytest
+
+from conformance.settings import Settings, settings_key
+from drivers.base import Driver, Sandbox
+from gpuhost.host import GpuHost
+from gpuhost.leases import lock_holders
+from gpuhost.spec import SandboxSpec
+
+
+@pytest.fixture(scope="session")
+def gpu_host(pytestconfig: pytest.Config) -> GpuHost:
+    settings = pytestconfig.stash[settings_key]
+    if settings.host_config.sim_root is None:
+        with _shown(pytestconfig):
+            _one_run_at_a_time(pytestconfig, settings.host_config.state_directory())
+    return settings.host
+
+
+@pytest.fixture(scope="session")
+def driver(request: pytest.FixtureRequest, gpu_host: GpuHost) -> Iterator[Driver]:
+    settings = request.config.stash[settings_key]
+    name: str = request.param
+    instance = settings.drivers[name](gpu_host, settings.session_id, settings.image)
+    availability = instance.probe()
+    if not availability.ok:
+        settings.unavailable[name] = availability.reason
+        if settings.explicit:
+            pytest.fail(
+                f"{name} was named in --driver but cannot run: {availability.reason}",
+                pytrace=False,
+            )
+        pytest.skip(f"{name}: {availability.reason}")
+    # Held from the first test of the lane to its last, reaped before it is given back:
+    # runs that share what the driver hands out (a cluster) take turns; others never wait.
+    with contextlib.ExitStack() as turn:
+        with _shown(request.config):
+            turn.enter_context(instance.catalogue_turn())
+        yield instance
+        instance.reap(settings.session_id)
+
+
+@contextlib.contextmanager
+def _shown(config: pytest.Config) -> Iterator[None]:
+    """Output on the terminal, not captured: a run waiting for its turn says so.
+
+    On a line of its own, not after the progress dots of ``-q``.
+    """
+    capture = config.pluginmanager.getplugin("capturemanager")
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    with contextlib.ExitStack() as shown:
+        if capture is not None:
+            shown.enter_context(capture.global_and_fixture_disabled())
+        if reporter is not None:
+            shown.enter_context(contextlib.redirect_stderr(_OnNewLine(sys.stderr, reporter)))
+        yield
+
+
+class _OnNewLine(io.TextIOBase):
+    """``stream``, where the first write ends the reporter's current line first."""
+
+    def __init__(self, stream: TextIO, reporter: Any) -> None:
+        self._stream = stream
+        self._reporter = reporter
+        self._started = False
+
+    def write(self, text: str) -> int:
+        if not self._started:
+            self._started = True
+            self._reporter.ensure_newline()
+            # -q writes its dots without a file name, which ensure_newline goes by.
+            if self._reporter._tw.width_of_current_line:
+                self._reporter._tw.line()
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+@pytest.fixture
+def host_gpus(driver: Driver) -> tuple[str, ...]:
+    """UUIDs of the GPUs the driver can hand out, in PCI order."""
+    return tuple(gpu.uuid for gpu in driver.inventory())
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Skip when the host has too few GPUs; reap whatever the test left behind.
+
+    Reaping after each test keeps one broken test from failing every test after it, so
+    each failure points at the requirement that was broken.
+    """
+    if "driver" not in request.fixturenames:
+        yield
+        return
+    driver: Driver = request.getfixturevalue("driver")
+    if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
+        not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
+    if request.node.get_closest_marker("shares_gpus") and not driver.capabilities.shared:
+        not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
+    pools = driver.capabilities.mig_profiles or set(driver.capabilities.vendors) - {"nvidia"}
+    if request.node.get_closest_marker("chooses_pools") and not pools:
+        not_applicable(
+            request.node, f"the {driver.name} driver serves no MIG profile and no other vendor"
+        )
+    marker = request.node.get_closest_marker("gpus")
+    have = len(driver.inventory())
+    if marker is not None and have < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
+    yield
+    driver.reap(driver.session_id)
+
+
+def not_applicable(item: pytest.Item, why: str) -> NoReturn:
+    """Skip ``item`` as not applicable: its requirement's cell leaves it out."""
+    item.user_properties[:] = [(k, v) for k, v in item.user_properties if k != "level"]
+    item.user_properties.append(("level", "not applicable"))
+    pytest.skip(f"not applicable: {why}")
+
+
+class SandboxFactory:
+    """Creates sandboxes for one test and closes whatever the test left open."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.open: list[Sandbox] = []
+
+    def __call__(self, spec: SandboxSpec) -> Sandbox:
+        sandbox = self.driver.create(spec)
+        self.open.append(sandbox)
+        return sandbox
+
+    def close_all(self) -> None:
+        """Close every sandbox the test left open, all at once (engines take a while each)."""
+        with ThreadPoolExecutor(max(1, len(self.open))) as pool:
+            for closing in [pool.submit(sandbox.close) for sandbox in self.open]:
+                closing.result()
+        self.open.clear()
+
+
+@pytest.fixture
+def sandboxes(driver: Driver) -> Iterator[SandboxFactory]:
+    factory = SandboxFactory(driver)
+    try:
+        yield factory
+    finally:
+        factory.close_all()
+
+
+@pytest.fixture
+def settings(pytestconfig: pytest.Config) -> Settings:
+    return pytestconfig.stash[settings_key]
+
+
+def _one_run_at_a_time(config: pytest.Config, state_dir: Path) -> None:
+    """Wait for any other run on this real host: the catalogue takes every GPU in turn.
+
+    Taken by the first test that uses the host (under xdist, GPU tests all run in one
+    worker), so runs that never touch it (the suite's self-tests) never wait. Simulated
+    hosts need no such lock: each run has its own.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # never through a link
+    fd = os.open(state_dir / "run.lock", flags, 0o666)
+    config.add_cleanup(lambda: os.close(fd))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # Another run may take many minutes: wait, saying who holds the host.
+        holders = lock_holders(fd) or "a process not seen here"
+        sys.stderr.write(
+            f"waiting for another conformance run on this host ({state_dir}): {holders}\n"
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)

@@ -1,0 +1,163 @@
+"""The run's per-requirement results: each test's entry, the reports, the matrix, the verdicts.
+
+One ``Recorder`` per run, registered by the plugin when the run is configured: the state
+of a run is the object's, so that runs in one process (pytester) never mix.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+
+from conformance import requirements
+from conformance.report import Entry, Results, entry, text_table, to_markdown, write
+from conformance.settings import Settings, driver_of, gpu_properties, settings_key
+from drivers.base import Driver
+
+
+class Recorder:
+    """Collects each test's entry; at the end, writes the reports and sets the exit status."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.results: Results | None = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Iterator[None]:
+        """Mark the tests of a driver that could not run with the reason, for the report."""
+        try:
+            return (yield)
+        finally:
+            reason = item.config.stash[settings_key].unavailable.get(driver_of(item) or "")
+            if reason is not None:
+                item.user_properties.append(("unavailable", reason))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        found = entry(report)
+        if found is not None:
+            self.entries.append(found)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        config = session.config
+        if hasattr(config, "workerinput") or not self.entries:
+            return
+        results = self.results = results_of(config, self.entries)
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            # A run in which every driver was skipped checked nothing: it must not pass.
+            if results.nothing_ran or results.gate_fails():
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        elif (
+            session.exitstatus == pytest.ExitCode.TESTS_FAILED
+            and not results.gate_fails()
+            and session.testsfailed == results.optional_failures()
+        ):
+            # Only optional requirements failed: reported, but they do not gate.
+            session.exitstatus = pytest.ExitCode.OK
+        markdown = config.getoption("--conformance-markdown")
+        write(
+            results,
+            config.getoption("--conformance-json"),
+            config.getoption("--conformance-html"),
+            markdown,
+        )
+        step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if markdown and step_summary:
+            with open(step_summary, "a", encoding="utf-8") as summary:
+                summary.write(to_markdown(results))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
+        """The matrix and the verdicts, last: after pytest's failures and short summary."""
+        yield
+        results = self.results
+        if results is None:
+            return
+        write_line = terminalreporter.write_line
+        _skips_by_reason(terminalreporter)
+        terminalreporter.section("conformance by requirement")
+        write_line(f"GPU host: {results.header['host']}")
+        if results.header["simulated"]:
+            write_line("These results used SIMULATED GPUs.")
+        versions = [
+            f"{name} ({info['version']})" if info["version"] else name
+            for name, info in results.drivers.items()
+        ]
+        write_line(f"drivers: {', '.join(versions)}")
+        for line in text_table(results):
+            write_line(line)
+        terminalreporter.section("verdict")
+        if results.nothing_ran:
+            write_line(
+                "FAIL: no driver could run here; every conformance test was skipped.", red=True
+            )
+        for verdict in results.verdicts:
+            write_line(verdict.line, red=verdict.status != "PASS", green=verdict.status == "PASS")
+
+
+def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
+    """The run's results: its header, drivers, requirements and every test's entry."""
+    settings = config.stash[settings_key]
+    host = settings.host
+    golden = requirements.load()
+    gpus = gpu_properties(host)
+    return Results(
+        header={
+            "session": settings.session_id,
+            "simulated": host.simulated is not None,
+            "host": host.describe(),
+            "hostname": socket.gethostname(),
+            "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu_model": gpus["gpu_model"],
+            "gpu_count": gpus["gpu_count"],
+        },
+        drivers={
+            name: {"version": _version(cls, settings), "explicit": settings.explicit}
+            for name, cls in settings.drivers.items()
+        },
+        requirements=[
+            {
+                "id": req.id,
+                "statement": req.statement,
+                "levels": {name: golden.level(req.id, name) for name in settings.drivers},
+            }
+            for req in golden.requirements
+        ],
+        tests=list(entries),
+    )
+
+
+def _version(cls: type[Driver], settings: Settings) -> str:
+    try:
+        return cls(settings.host, settings.session_id, settings.image).version()
+    except Exception as exc:  # a report must not be lost to a driver's bug
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def _skips_by_reason(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skipped tests grouped by reason with a count, instead of a line per test.
+
+    Requirements that do not apply to a driver are left to the matrix, which shows them.
+    """
+    reasons: collections.Counter[str] = collections.Counter()
+    not_applicable = 0
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+        reason = reason.removeprefix("Skipped: ")
+        if " does not apply to " in reason or reason.startswith("not applicable: "):
+            not_applicable += 1
+        else:
+            reasons[reason] += 1
+    if not reasons and not not_applicable:
+        return
+    terminalreporter.section("skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:4d}  {reason}")
+    if not_applicable:
+        terminalreporter.write_line(f"{not_applicable:4d}  not applicable (n/a in the matrix)")
