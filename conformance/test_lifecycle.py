@@ -142,16 +142,18 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
     session = f"reap-{time.time_ns()}"
     other = type(driver)(driver.host, session, driver.image)
     neighbour = type(driver)(driver.host, f"{session}0", driver.image)
-    # With a GPU where the host has one to spare for the reaped session's own.
-    kept = neighbour.create(
-        SandboxSpec.with_gpus() if len(driver.inventory()) >= 2 else SandboxSpec()
-    )
+    # Another client of the host registry, in the same session: not the driver's to reap.
+    client = LeaseOwner("gpu-lease", f"{session}-client", session, Holder.process(os.getpid()))
+    made: list[Sandbox] = []
     try:
+        # With a GPU where the host has one to spare for the reaped session's own.
+        kept = neighbour.create(
+            SandboxSpec.with_gpus() if len(driver.inventory()) >= 2 else SandboxSpec()
+        )
+        made.append(kept)
         kept_leases = _leases_of(driver, kept.id)
-        left = [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
+        made += [other.create(SandboxSpec.with_gpus()), other.create(SandboxSpec())]
         assert len(other.sandboxes(session)) == 2
-        # Another client of the host registry, in the same session: not the driver's to reap.
-        client = LeaseOwner("gpu-lease", f"{session}-client", session, Holder.process(os.getpid()))
         free = driver.host.leases.free(driver.inventory())
         theirs = driver.host.leases.acquire(free, client, count=1) if free else ()
         other.reap(session)
@@ -168,12 +170,16 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver) -> None:
             f"reaping the {driver.name} sandboxes of session {session} dropped the lease of "
             f"another client of the host registry in that session ({client.driver})"
         )
-    finally:
         driver.host.leases.release(client.sandbox_id)
         kept.close()
-    assert_all_gpus_grantable(driver, after=f"reaping session {session}")
-    for sandbox in left:
-        sandbox.close()  # harmless after reap
+        assert_all_gpus_grantable(driver, after=f"reaping session {session}")
+    finally:
+        # Whatever failed above, nothing of this test's is left to fail the tests after it.
+        driver.host.leases.release(client.sandbox_id)
+        for sandbox in made:
+            sandbox.close()  # harmless after reap or close
+        for each in (other, neighbour):
+            each.reap(each.session_id)
 
 
 def _leases_of(driver: Driver, sandbox_id: str) -> list[str]:
