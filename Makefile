@@ -189,10 +189,17 @@ bench-kubernetes: venv cluster
 bench-workloads: venv host-packages
 	$(BIN)/python -m bench.workloads $(BENCH_ARGS)
 
-# How fast `gpu-sandbox spec` starts, beside `python -c pass` (README: Try a driver by hand).
+# How fast `gpu-sandbox spec` starts, beside `python -c pass` (docs/cli.md: Try a driver by hand).
 .PHONY: bench-cli
 bench-cli: venv
 	$(BIN)/python -m bench.cli $(BENCH_ARGS)
+
+# The property tests of bad input, long and unseeded (the nightly job): what `make test` runs
+# in a short seeded pass. FUZZ_ARGS=-x stops at the first finding.
+.PHONY: fuzz
+FUZZ_ARGS ?=
+fuzz: venv
+	HYPOTHESIS_PROFILE=nightly $(BIN)/pytest tests -m fuzz -p no:cacheprovider $(FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPORTS) *.egg-info
