@@ -8,7 +8,86 @@ a bad request (``InvalidGpuRequest``), a request the driver cannot serve at all
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+
+SHOWN_LIMIT = 80
+"""How much of a value a message shows: enough to recognise it, on one line."""
+FIELD_LIMIT = 200
+"""A field (a path of keys) is named whole up to this length; the request's own are shorter."""
+_SHORT_INT_BITS = 256
+"""Integers below 2**256 (up to 78 digits) are shown whole; larger ones by their length."""
+
+
+def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
+    """``value`` for a message: as ``repr`` writes it, on one line, cut to ``limit`` characters.
+
+    What is cut says how long it was; an integer too long to show (or to convert to text at
+    all, past Python's 4,300 digits) is shown by its number of digits.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and _too_long(value):
+        return _integer_of(value)
+    text = ""
+    for piece in _pieces(value, limit):
+        text += piece
+        if len(text) > limit:
+            return f"{text[:limit]}… ({_size(value)})"
+    return text
+
+
+def named(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """A name, a path or a field for a message: itself when short and printable, else ``shown``."""
+    return text if text.isprintable() and len(text) <= limit else shown(text, limit)
+
+
+def _pieces(value: object, limit: int) -> Iterator[str]:
+    """``repr(value)`` in pieces, so that only what is shown is ever written out."""
+    if isinstance(value, str):
+        yield repr(value[: limit + 1])
+    elif isinstance(value, bool) or not isinstance(value, int | list | tuple | Mapping):
+        yield repr(value)
+    elif isinstance(value, int):
+        yield _integer_of(value) if _too_long(value) else repr(value)
+    elif isinstance(value, Mapping):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield from (", " if i else "", *_pieces(key, limit), ": ")
+            yield from _pieces(item, limit)
+        yield "}"
+    else:
+        yield "["
+        for i, item in enumerate(value):
+            yield ", " if i else ""
+            yield from _pieces(item, limit)
+        yield "]"
+
+
+def _size(value: object) -> str:
+    if isinstance(value, str):
+        return f"{len(value)} characters"
+    if isinstance(value, Mapping):
+        return f"{len(value)} key{'s' if len(value) != 1 else ''}"
+    if isinstance(value, list | tuple):
+        return f"{len(value)} item{'s' if len(value) != 1 else ''}"
+    return f"{len(repr(value))} characters"
+
+
+def _too_long(value: int) -> bool:
+    return value.bit_length() > _SHORT_INT_BITS
+
+
+def _integer_of(value: int) -> str:
+    return f"{'a negative' if value < 0 else 'an'} integer of {digits(value)} digits"
+
+
+def digits(value: int) -> int:
+    """How many decimal digits ``value`` has, without writing it out (past 4,300, str refuses)."""
+    size = abs(value)
+    count = max(1, int(size.bit_length() * 0.30103))
+    while 10**count <= size:
+        count += 1
+    while count > 1 and 10 ** (count - 1) > size:
+        count -= 1
+    return count
 
 
 class DriverError(Exception):

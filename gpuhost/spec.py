@@ -22,13 +22,22 @@ judges that block and the GPU request against the driver's capabilities.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import InvalidDriverConfig, InvalidGpuRequest
+from gpuhost.errors import (
+    FIELD_LIMIT,
+    InvalidDriverConfig,
+    InvalidGpuRequest,
+    digits,
+    named,
+    shown,
+)
 
 DEFAULT_GPU_COUNT = 1
 EXCLUSIVE, SHARED = "exclusive", "shared"
@@ -41,10 +50,18 @@ CHOICE_KEYS = (MIG_PROFILE_KEY, VENDOR_KEY)
 """Keys of a driver's block that pick what counts and defaults choose among."""
 ENVELOPE = "template.driver_config"
 """Where the driver-keyed envelope lives in a request."""
+MAX_DEPTH = 32
+"""How deep a request's values may nest: its own shape is five levels deep, a block's
+options a few more."""
+MAX_INT_DIGITS = 4300
+"""The longest integer a request may hold: Python's own limit for converting one to text
+(``sys.get_int_max_str_digits``), past which it could be neither read nor shown."""
 _SPEC_KEYS = frozenset({"resource_requirements", "template"})
 _TEMPLATE_KEYS = frozenset({"image", "env", "driver_config"})
 _MOVED_INTO_TEMPLATE = ("driver_config", "image", "env")
 """Top-level keys of the shape before seed 003, refused with where they went."""
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+"""What no process's environment can hold: NUL ends a C string, UTF-8 has no lone surrogate."""
 _GPU_KEYS = frozenset({"count", "sharing"})
 _SUPERSEDED_GPU_KEYS = ("device_ids", "device_id", "gpu_device_ids")
 """Seed 001's exact IDs in the portable request: they went to the driver's block."""
@@ -214,70 +231,232 @@ class GpuPlan:
     """Counts and defaults pick GPUs of this vendor; None: the host's default vendor."""
 
 
+def read_json(
+    text: str,
+    field: str = "spec",
+    what: str = "spec",
+    error: type[InvalidGpuRequest] = InvalidGpuRequest,
+) -> Any:
+    """JSON text as a request holds it, or ``error`` at ``field`` saying why not.
+
+    The one reader of JSON in requests (``parse_spec``, ``--request``,
+    ``--driver-config-json``), and strict: a key given twice in one object (the last would
+    win in silence), ``NaN`` and ``Infinity`` (not JSON), a number no float holds, an integer
+    of more than ``MAX_INT_DIGITS`` digits and nesting past what the parser recurses into are
+    refused. ``what`` names the text in the message.
+    """
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_constant=_constant,
+            parse_int=_integer,
+            parse_float=_float,
+        )
+    except json.JSONDecodeError as exc:
+        problem = f"is not valid JSON: {exc}"
+    except (_NotStrictJson, ValueError) as exc:
+        problem = f"is not strict JSON: {exc}"
+    except RecursionError:
+        problem = f"nests deeper than a request may ({MAX_DEPTH} levels)"
+    raise error(field, text, f"{what} {problem}, in {shown(text)}") from None
+
+
+class _NotStrictJson(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    made: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in made:
+            raise _NotStrictJson(f"the key {shown(key)} is given twice in one object")
+        made[key] = value
+    return made
+
+
+def _constant(name: str) -> float:
+    raise _NotStrictJson(f"{name} is not a JSON number")
+
+
+def _integer(text: str) -> int:
+    size = len(text.lstrip("-"))
+    if size > MAX_INT_DIGITS:
+        raise _NotStrictJson(f"an integer of {size} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise _NotStrictJson(f"the number {shown(text)} is too large for a float")
+    return number
+
+
 def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
     """Parse the request (a dict, or its JSON text) into a ``SandboxSpec``.
 
     Only the shape every driver shares is checked here; a driver's block is its own to judge.
+    A dict is held to what its JSON text would be (``read_json``): keys are printable strings,
+    values JSON's, nested at most ``MAX_DEPTH`` deep.
     """
     if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise InvalidGpuRequest("spec", data, f"spec is not valid JSON: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise InvalidGpuRequest("spec", data, f"spec must be an object, got {kind(data)}: {data!r}")
+        data = read_json(data)
+    data = _json_value(data, "")
+    if not isinstance(data, dict):
+        raise InvalidGpuRequest(
+            "spec", data, f"spec must be an object, got {kind(data)}: {shown(data)}"
+        )
     for key in _MOVED_INTO_TEMPLATE:
         if key in data:
             error = InvalidDriverConfig if key == "driver_config" else InvalidGpuRequest
             raise error(
                 key,
-                thawed(data[key]),
-                f"spec has {key} at the top level ({thawed(data[key])!r}); it moved to "
+                data[key],
+                f"spec has {key} at the top level ({shown(data[key])}); it moved to "
                 f"template.{key}, as in seed 003's request",
             )
     _reject_unknown_keys("spec", data, _SPEC_KEYS, InvalidGpuRequest)
     template = data.get("template", {})
-    if not isinstance(template, Mapping):
+    if not isinstance(template, dict):
         raise InvalidGpuRequest(
-            "template", template, f"template must be an object, got {kind(template)}: {template!r}"
+            "template",
+            template,
+            f"template must be an object, got {kind(template)}: {shown(template)}",
         )
     _reject_unknown_keys("template", template, _TEMPLATE_KEYS, InvalidGpuRequest)
-
     image = template.get("image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
-        raise InvalidGpuRequest(
-            "template.image", image, f"template.image must be a non-empty string, got {image!r}"
-        )
-    env = template.get("env", {})
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
-    ):
-        raise InvalidGpuRequest(
-            "template.env",
-            env,
-            f"template.env must map variable names (no '=') to strings, got {env!r}",
-        )
-
+    if image is not None:
+        check_image(image, "template.image")
     return SandboxSpec(
         image=image,
-        env=MappingProxyType(dict(env)),
+        env=MappingProxyType(_parse_env(template.get("env", {}))),
         driver_config=parse_envelope(template.get("driver_config", {})),
         gpu=_parse_gpu(data.get("resource_requirements")),
     )
+
+
+def check_image(
+    image: object, where: str, error: type[InvalidGpuRequest] = InvalidGpuRequest
+) -> str:
+    """An image's name, or ``error`` at ``where``: one no engine could ever find is refused.
+
+    Names have no white space and no control characters (NUL among them); one that had would
+    be refused only by the engine, once the GPUs were taken.
+    """
+    if (
+        not isinstance(image, str)
+        or not image
+        or not image.isprintable()
+        or any(char.isspace() for char in image)
+    ):
+        raise error(
+            where,
+            image,
+            f"{where} must be an image's name: a non-empty string without white space or "
+            f"control characters, got {shown(image)}",
+        )
+    return image
+
+
+def _parse_env(env: object) -> dict[str, str]:
+    """``template.env``: names (no '=') to strings, each of which a process can be given."""
+    if not isinstance(env, dict):
+        raise InvalidGpuRequest(
+            "template.env",
+            env,
+            f"template.env must map variable names to strings, got {kind(env)}: {shown(env)}",
+        )
+    for name, value in env.items():
+        if not name or "=" in name:
+            raise InvalidGpuRequest(
+                "template.env",
+                name,
+                f"template.env has a variable name {shown(name)}: names are non-empty and "
+                "hold no '='",
+            )
+        where = f"template.env.{name}"
+        if not isinstance(value, str) or _NOT_TEXT.search(value):
+            raise InvalidGpuRequest(
+                where,
+                value,
+                f"{named(where, FIELD_LIMIT)} must be a string without NUL characters or lone "
+                f"surrogates (text UTF-8 can carry), got {shown(value)}",
+            )
+    return dict(env)
+
+
+def _json_value(value: object, where: str, depth: int = 0) -> Any:
+    """``value`` as plain dicts and lists, if it is what JSON text can hold; refused if not.
+
+    ``where`` is its field ("" for the whole request). Keys must be printable, since fields
+    are named by them on one line.
+    """
+    field = where or "spec"
+    error = InvalidDriverConfig if field.startswith(ENVELOPE) else InvalidGpuRequest
+    name = named(field, FIELD_LIMIT)
+    if depth > MAX_DEPTH:
+        raise error(
+            field,
+            value,
+            f"{name} nests deeper than a request may ({MAX_DEPTH} levels): {shown(value)}",
+        )
+    if isinstance(value, Mapping):
+        plain = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or not key.isprintable():
+                raise error(
+                    field,
+                    key,
+                    f"{name} has a key {shown(key)}: keys are strings of printable characters",
+                )
+            plain[key] = _json_value(item, _child(where, key), depth + 1)
+        return plain
+    if isinstance(value, list | tuple):
+        return [_json_value(item, f"{field}[{i}]", depth + 1) for i, item in enumerate(value)]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise error(field, value, f"{name} is {shown(value)}, which is not a JSON number")
+    if (
+        isinstance(value, int)
+        and value.bit_length() > MAX_INT_DIGITS * 3
+        and (digits(value) > MAX_INT_DIGITS)
+    ):
+        raise error(
+            field,
+            value,
+            f"{name} is {shown(value)}; a request's integers have at most {MAX_INT_DIGITS} digits",
+        )
+    if value is None or isinstance(value, str | int | float):
+        return value
+    raise error(
+        field,
+        value,
+        f"{name} is {type(value).__name__} {shown(value)}, which is not a JSON value",
+    )
+
+
+def _child(where: str, key: str) -> str:
+    """The field of ``key`` in ``where``; an unknown top-level key's is under ``spec``."""
+    if where:
+        return f"{where}.{key}"
+    return key if key in _SPEC_KEYS or key in _MOVED_INTO_TEMPLATE else f"spec.{key}"
 
 
 def parse_envelope(config: object) -> Mapping[str, Mapping[str, Any]]:
     """``template.driver_config``: an object of driver names to objects, frozen."""
     if not isinstance(config, Mapping):
         raise InvalidDriverConfig(
-            ENVELOPE, config, f"{ENVELOPE} must be an object, got {kind(config)}: {config!r}"
+            ENVELOPE,
+            config,
+            f"{ENVELOPE} must be an object, got {kind(config)}: {shown(config)}",
         )
     for driver, block in config.items():
         if not isinstance(block, Mapping):
             raise InvalidDriverConfig(
                 block_field(driver),
                 block,
-                f"{block_field(driver)} must be an object, got {kind(block)}: {block!r}",
+                f"{named(block_field(driver), FIELD_LIMIT)} must be an object, got "
+                f"{kind(block)}: {shown(block)}",
             )
     return _freeze(config)
 
@@ -289,7 +468,8 @@ def _parse_gpu(requirements: object) -> GpuRequest | None:
         raise InvalidGpuRequest(
             "resource_requirements",
             requirements,
-            f"resource_requirements must be an object, got {kind(requirements)}: {requirements!r}",
+            f"resource_requirements must be an object, got {kind(requirements)}: "
+            f"{shown(requirements)}",
         )
     _reject_unknown_keys("resource_requirements", requirements, {"gpu"}, InvalidGpuRequest)
     if "gpu" not in requirements or requirements["gpu"] is None:
@@ -297,13 +477,15 @@ def _parse_gpu(requirements: object) -> GpuRequest | None:
     gpu = requirements["gpu"]
     where = "resource_requirements.gpu"
     if not isinstance(gpu, Mapping):
-        raise InvalidGpuRequest(where, gpu, f"{where} must be an object, got {kind(gpu)}: {gpu!r}")
+        raise InvalidGpuRequest(
+            where, gpu, f"{where} must be an object, got {kind(gpu)}: {shown(gpu)}"
+        )
     for key in _SUPERSEDED_GPU_KEYS:
         if key in gpu:
             raise InvalidGpuRequest(
                 f"{where}.{key}",
-                thawed(gpu[key]),
-                f"{where}.{key} ({thawed(gpu[key])!r}) was replaced by "
+                gpu[key],
+                f"{where}.{key} ({shown(gpu[key])}) was replaced by "
                 f"{block_field('<driver>', DEVICE_IDS_KEY)}: exact devices are driver-native, "
                 f"in the block of the driver they are for",
             )
@@ -328,8 +510,8 @@ def _reject_unknown_keys(
         if key not in known:
             raise error(
                 f"{where}.{key}",
-                thawed(mapping[key]),
-                f"{where} has an unknown key {key!r} = {thawed(mapping[key])!r} "
+                mapping[key],
+                f"{where} has an unknown key {shown(key)} = {shown(mapping[key])} "
                 f"(known: {', '.join(sorted(known))})",
             )
 

@@ -18,6 +18,7 @@ from gpuhost.errors import (
     InvalidGpuCount,
     InvalidGpuSharing,
     UnsupportedGpuRequest,
+    shown,
 )
 from gpuhost.spec import (
     CHOICE_KEYS,
@@ -53,7 +54,7 @@ def validate_gpu_request(request: DriverRequest, caps: DriverCapabilities) -> Gp
         raise UnsupportedGpuRequest(
             "resource_requirements.gpu.count",
             count,
-            f"gpu count ({count}) exceeds the {driver} driver's maximum of "
+            f"gpu count ({shown(count)}) exceeds the {driver} driver's maximum of "
             f"{caps.max_gpus_per_sandbox} GPUs per sandbox",
         )
     if device_ids and not caps.exact_ids:
@@ -61,34 +62,34 @@ def validate_gpu_request(request: DriverRequest, caps: DriverCapabilities) -> Gp
             ids_field,
             list(device_ids),
             f"the {driver} driver does not support exact GPU device IDs; "
-            f"{ids_field} = {list(device_ids)!r}: request a count instead",
+            f"{ids_field} = {shown(list(device_ids))}: request a count instead",
         )
     if device_ids and len(device_ids) > caps.max_gpus_per_sandbox:
         raise UnsupportedGpuRequest(
             ids_field,
             list(device_ids),
-            f"{ids_field} names {len(device_ids)} GPUs; the {driver} driver's maximum is "
-            f"{caps.max_gpus_per_sandbox} per sandbox",
+            f"{ids_field} names {len(device_ids)} GPUs ({shown(list(device_ids))}); the "
+            f"{driver} driver's maximum is {caps.max_gpus_per_sandbox} per sandbox",
         )
     if sharing == SHARED and not caps.shared:
         raise UnsupportedGpuRequest(
             "resource_requirements.gpu.sharing",
             sharing,
             f"the {driver} driver does not share GPUs; resource_requirements.gpu.sharing = "
-            f"{sharing!r}: ask for an exclusive GPU",
+            f"{shown(sharing)}: ask for an exclusive GPU",
         )
     if profile is not None and not caps.mig_profiles:
         raise UnsupportedGpuRequest(
             request.field(MIG_PROFILE_KEY),
             profile,
             f"the {driver} driver does not hand out MIG instances by profile; "
-            f"{request.field(MIG_PROFILE_KEY)} = {profile!r}",
+            f"{request.field(MIG_PROFILE_KEY)} = {shown(profile)}",
         )
     if vendor is not None and vendor not in caps.vendors:
         raise UnsupportedGpuRequest(
             request.field(VENDOR_KEY),
             vendor,
-            f"the {driver} driver injects {', '.join(caps.vendors)} GPUs, not {vendor!r} "
+            f"the {driver} driver injects {', '.join(caps.vendors)} GPUs, not {shown(vendor)} "
             f"({request.field(VENDOR_KEY)})",
         )
     if device_ids is None:
@@ -99,22 +100,22 @@ def validate_gpu_request(request: DriverRequest, caps: DriverCapabilities) -> Gp
         raise GpuDevicesWithoutRequest(
             ids_field,
             list(device_ids),
-            f"{ids_field} requires a gpu request (got {list(device_ids)!r} "
+            f"{ids_field} requires a gpu request (got {shown(list(device_ids))} "
             "without resource_requirements.gpu)",
         )
     seen: set[str] = set()
     for device_id in device_ids:
         if device_id in seen:
             raise DuplicateGpuDevice(
-                ids_field, device_id, f"{ids_field} contains duplicate device ID '{device_id}'"
+                ids_field, device_id, f"{ids_field} contains duplicate device ID {shown(device_id)}"
             )
         seen.add(device_id)
     if request.gpu.count is not None and count != len(device_ids):
         raise GpuCountMismatch(
             ids_field,
             list(device_ids),
-            f"gpu count ({count}) must match {ids_field} length ({len(device_ids)}): "
-            f"{list(device_ids)!r}",
+            f"gpu count ({shown(count)}) must match {ids_field} length ({len(device_ids)}): "
+            f"{shown(list(device_ids))}",
         )
     return GpuPlan(count=len(device_ids), device_ids=device_ids, field=ids_field, sharing=sharing)
 
@@ -130,12 +131,13 @@ def _check_block_keys(request: DriverRequest, caps: DriverCapabilities) -> None:
             raise InvalidDriverConfig(
                 request.field(key),
                 value,
-                f"{request.field(key)} ({value!r}) was replaced by {request.field(replaced_by)}",
+                f"{request.field(key)} ({shown(value)}) was replaced by "
+                f"{request.field(replaced_by)}",
             )
         raise InvalidDriverConfig(
             request.field(key),
             value,
-            f"{request.field()} has an unknown key {key!r} = {value!r} "
+            f"{request.field()} has an unknown key {shown(key)} = {shown(value)} "
             f"(the {request.driver} driver takes: {', '.join(sorted(known))})",
         )
 
@@ -147,11 +149,11 @@ def _device_ids(
     block = request.config
     present = [key for key in caps.id_keys if key in block]
     if len(present) > 1:
+        given = {key: thawed(block[key]) for key in present}
         raise InvalidDriverConfig(
             request.field(),
-            thawed(block),
-            f"{request.field()} gives both {' and '.join(present)} "
-            f"({', '.join(repr(thawed(block[key])) for key in present)}); "
+            given,
+            f"{request.field()} gives both {' and '.join(present)} ({shown(given)}); "
             "they are aliases, use one",
         )
     if not present:
@@ -161,18 +163,22 @@ def _device_ids(
     value = thawed(block[present[0]])
     if not isinstance(value, list):
         raise InvalidDriverConfig(
-            ids_field, value, f"{ids_field} must be a list of strings, got {kind(value)}: {value!r}"
+            ids_field,
+            value,
+            f"{ids_field} must be a list of strings, got {kind(value)}: {shown(value)}",
         )
     if not value:
         raise InvalidDriverConfig(ids_field, value, f"{ids_field} must not be empty, got []")
     for entry in value:
         if not isinstance(entry, str):
             raise InvalidDriverConfig(
-                ids_field, entry, f"{ids_field} entries must be strings, got {entry!r}"
+                ids_field,
+                entry,
+                f"{ids_field} entries must be strings, got {shown(entry)}",
             )
         if not entry.strip():
             raise InvalidDriverConfig(
-                ids_field, entry, f"{ids_field} contains a blank device ID {entry!r}"
+                ids_field, entry, f"{ids_field} contains a blank device ID {shown(entry)}"
             )
     return ids_field, tuple(value)
 
@@ -190,7 +196,7 @@ def _choice(
             raise InvalidDriverConfig(
                 request.field(key),
                 value,
-                f"{request.field(key)} must be a non-empty string, got {value!r}",
+                f"{request.field(key)} must be a non-empty string, got {shown(value)}",
             )
         chosen[key] = value
     vendor = chosen.get(VENDOR_KEY)
@@ -198,22 +204,22 @@ def _choice(
         raise InvalidDriverConfig(
             request.field(VENDOR_KEY),
             vendor,
-            f"{request.field(VENDOR_KEY)} must be one of {', '.join(VENDORS)}, got {vendor!r}",
+            f"{request.field(VENDOR_KEY)} must be one of {', '.join(VENDORS)}, got {shown(vendor)}",
         )
     if chosen and device_ids is not None:
         key = next(iter(chosen))
         raise InvalidDriverConfig(
             request.field(key),
             chosen[key],
-            f"{request.field()} names exact devices and a {key} ({chosen[key]!r}): the devices "
-            "decide, give one or the other",
+            f"{request.field()} names exact devices and a {key} ({shown(chosen[key])}): the "
+            "devices decide, give one or the other",
         )
     if MIG_PROFILE_KEY in chosen and VENDOR_KEY in chosen and vendor != "nvidia":
         raise InvalidDriverConfig(
             request.field(VENDOR_KEY),
             vendor,
-            f"{request.field(MIG_PROFILE_KEY)} is NVIDIA's; {request.field(VENDOR_KEY)} is "
-            f"{vendor!r}",
+            f"{request.field(MIG_PROFILE_KEY)} ({shown(chosen[MIG_PROFILE_KEY])}) is NVIDIA's; "
+            f"{request.field(VENDOR_KEY)} is {shown(vendor)}",
         )
     return chosen.get(MIG_PROFILE_KEY), vendor
 
@@ -226,13 +232,13 @@ def _checked_count(count: Any) -> int:
         raise InvalidGpuCount(
             "resource_requirements.gpu.count",
             count,
-            f"gpu count must be an integer, got {count!r} ({kind(count)})",
+            f"gpu count must be an integer, got {shown(count)} ({kind(count)})",
         )
     if count <= 0:
         raise InvalidGpuCount(
             "resource_requirements.gpu.count",
             count,
-            f"gpu count must be greater than 0, got {count}",
+            f"gpu count must be greater than 0, got {shown(count)}",
         )
     return count
 
@@ -244,6 +250,6 @@ def _checked_sharing(sharing: Any) -> str:
         raise InvalidGpuSharing(
             "resource_requirements.gpu.sharing",
             sharing,
-            f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}",
+            f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {shown(sharing)}",
         )
     return str(sharing)

@@ -281,7 +281,8 @@ ERRORS = [
     ),
     pytest.param(
         GpuFlags(image=""), EXACT, InvalidGpuRequest, "template.image",
-        "template.image must be a non-empty string, got ''", "--image=''", id="empty-image",
+        "template.image must be an image's name: a non-empty string without white space or "
+        "control characters, got ''", "--image=''", id="empty-image",
     ),
     pytest.param(
         GpuFlags(gpu_sharing="Shared"), EXACT, InvalidGpuSharing,

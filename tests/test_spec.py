@@ -25,6 +25,7 @@ from gpuhost.errors import (
     InvalidGpuRequest,
     InvalidGpuSharing,
     UnsupportedGpuRequest,
+    shown,
 )
 from gpuhost.spec import (
     DEFAULT_GPU_COUNT,
@@ -92,6 +93,14 @@ ENV, IMAGE = "template.env", "template.image"
 def tpl(**template: object) -> dict[str, Any]:
     """A request with only a template of ``template``."""
     return {"template": template}
+
+
+def nested(depth: int) -> list[Any]:
+    """A list ``depth`` lists deep."""
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def sharing(mode: object) -> dict[str, Any]:
@@ -359,10 +368,143 @@ BAD: list[Bad] = [
         stage="parse",
     ),
     Bad("env-not-a-map", tpl(env=["A=1"]), InvalidGpuRequest, ENV, "['A=1']", stage="parse"),
-    Bad("env-int-value", tpl(env={"A": 1}), InvalidGpuRequest, ENV, "{'A': 1}", stage="parse"),
+    Bad("env-int-value", tpl(env={"A": 1}), InvalidGpuRequest, f"{ENV}.A", "got 1", stage="parse"),
     Bad("env-null", tpl(env=None), InvalidGpuRequest, ENV, "None", stage="parse"),
+    Bad(
+        "env-nul-in-value",
+        tpl(env={"A": "a\x00b"}),
+        InvalidGpuRequest,
+        f"{ENV}.A",
+        "got 'a\\x00b'",
+        stage="parse",
+    ),
+    Bad(
+        "env-lone-surrogate-value",
+        tpl(env={"A": "\ud800"}),
+        InvalidGpuRequest,
+        f"{ENV}.A",
+        "got '\\ud800'",
+        stage="parse",
+    ),
+    Bad(
+        "env-nul-in-name",
+        tpl(env={"A\x00": "1"}),
+        InvalidGpuRequest,
+        ENV,
+        "'A\\x00'",
+        stage="parse",
+    ),
     Bad("image-blank", tpl(image=" "), InvalidGpuRequest, IMAGE, "' '", stage="parse"),
     Bad("image-not-string", tpl(image=5), InvalidGpuRequest, IMAGE, "5", stage="parse"),
+    Bad("image-nul", tpl(image="a\x00b"), InvalidGpuRequest, IMAGE, "'a\\x00b'", stage="parse"),
+    Bad(
+        "image-padded",
+        tpl(image=" busybox\n"),
+        InvalidGpuRequest,
+        IMAGE,
+        "' busybox\\n'",
+        stage="parse",
+    ),
+    Bad(
+        "image-space-inside",
+        tpl(image="busy box"),
+        InvalidGpuRequest,
+        IMAGE,
+        "'busy box'",
+        stage="parse",
+    ),
+    # -- what JSON text leaves open: one strict reader ------------------------------------
+    Bad(
+        "json-duplicate-key",
+        '{"resource_requirements": {"gpu": {}}, "template": {"driver_config": '
+        '{"reference": {"gpu_device_ids": ["3"]}}, "driver_config": {}}}',
+        InvalidGpuRequest,
+        "spec",
+        "the key 'driver_config' is given twice",
+        stage="parse",
+    ),
+    Bad(
+        "json-nan",
+        '{"resource_requirements": {"gpu": {"count": NaN}}}',
+        InvalidGpuRequest,
+        "spec",
+        "NaN is not a JSON number",
+        stage="parse",
+    ),
+    Bad(
+        "json-minus-infinity",
+        '{"template": {"driver_config": {"vm": {"x": -Infinity}}}}',
+        InvalidGpuRequest,
+        "spec",
+        "-Infinity is not a JSON number",
+        stage="parse",
+    ),
+    Bad(
+        "json-float-overflow",
+        '{"resource_requirements": {"gpu": {"count": 1e400}}}',
+        InvalidGpuRequest,
+        "spec",
+        "the number '1e400' is too large for a float",
+        stage="parse",
+    ),
+    Bad(
+        "json-huge-integer",
+        '{"resource_requirements": {"gpu": {"count": %s}}}' % ("9" * 5000),
+        InvalidGpuRequest,
+        "spec",
+        "an integer of 5000 digits (at most 4300)",
+        stage="parse",
+    ),
+    Bad(
+        "json-deep",
+        "[" * 100_000 + "]" * 100_000,
+        InvalidGpuRequest,
+        "spec",
+        "nests deeper than a request may",
+        stage="parse",
+    ),
+    # -- a dict is held to what its JSON text would be -------------------------------------
+    Bad(
+        "dict-huge-integer",
+        request(10**5000),
+        InvalidGpuRequest,
+        COUNT,
+        "an integer of 5001 digits",
+        stage="parse",
+    ),
+    Bad(
+        "dict-nan",
+        tpl(driver_config={"vm": {"x": float("nan")}}),
+        InvalidDriverConfig,
+        "template.driver_config.vm.x",
+        "nan, which is not a JSON number",
+        stage="parse",
+    ),
+    Bad(
+        "dict-set",
+        tpl(driver_config={"vm": {"x": [{1}]}}),
+        InvalidDriverConfig,
+        "template.driver_config.vm.x[0]",
+        "set {1}, which is not a JSON value",
+        stage="parse",
+    ),
+    Bad("dict-key-not-a-string", tpl(env={1: "x"}), InvalidGpuRequest, ENV, "key 1", stage="parse"),
+    Bad(
+        "dict-key-with-a-newline",
+        tpl(driver_config={"a\nb": {}}),
+        InvalidDriverConfig,
+        "template.driver_config",
+        "key 'a\\nb'",
+        stage="parse",
+    ),
+    Bad(
+        "dict-deep",
+        tpl(driver_config={"vm": {"x": nested(40)}}),
+        InvalidDriverConfig,
+        "template.driver_config.vm.x" + "[0]" * 29,
+        "nests deeper than a request may (32 levels)",
+        stage="parse",
+    ),
     Bad(
         "template-not-object", {"template": []}, InvalidGpuRequest, "template", "[]", stage="parse"
     ),
@@ -554,6 +696,52 @@ def test_bad_request_is_refused_with_its_exact_error(case: Bad) -> None:
 def test_bad_request_table_ids_are_unique() -> None:
     ids = [case.id for case in BAD]
     assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("case", BAD, ids=[case.id for case in BAD])
+def test_each_message_is_one_short_line_showing_the_value(case: Bad) -> None:
+    message = str(_raise(case))
+    assert "\n" not in message
+    assert len(message) < 600, message
+    assert shown(_raise(case).value) in message
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ("gpu", "'gpu'"),
+        ("a\nb\x00", "'a\\nb\\x00'"),
+        ("\ud800", "'\\ud800'"),
+        (["0", 1], "['0', 1]"),
+        ({"k": (1,)}, "{'k': [1]}"),
+        (10**77, str(10**77)),
+        (10**78, "an integer of 79 digits"),
+        (-(10**5000), "a negative integer of 5001 digits"),
+        ("x" * 81, f"'{'x' * 79}… (81 characters)"),
+        (["ab"] * 30, f"{str(['ab'] * 30)[:80]}… (30 items)"),
+        ({str(i): i for i in range(30)}, f"{str({str(i): i for i in range(30)})[:80]}… (30 keys)"),
+    ],
+    ids=[
+        "string",
+        "control-characters",
+        "lone-surrogate",
+        "list",
+        "frozen",
+        "78-digits",
+        "79-digits",
+        "5001-digits",
+        "long-string",
+        "long-list",
+        "long-object",
+    ],
+)
+def test_a_value_is_shown_on_one_line_and_cut(value: object, text: str) -> None:
+    assert shown(value) == text
+
+
+def test_a_value_too_long_to_show_is_never_written_out_whole() -> None:
+    assert shown(nested(100_000)) == "[" * 80 + "… (1 item)"
+    assert shown(["x" * 10**7]) == "['" + "x" * 78 + "… (1 item)"
 
 
 @pytest.mark.parametrize(
@@ -1012,7 +1200,7 @@ def test_too_many_ids_is_a_capability_error_before_consistency() -> None:
             validate(data, "reference", two)
 
 
-@pytest.mark.parametrize("env", [{"": "x"}, {"A=B": "x"}, {"A": 1}])
+@pytest.mark.parametrize("env", [{"": "x"}, {"A=B": "x"}, {"A\x00B": "x"}, {"\ud800": "x"}])
 def test_env_names_must_be_variable_names(env: dict[str, object]) -> None:
     with pytest.raises(InvalidGpuRequest) as raised:
         parse_spec(tpl(env=env))
