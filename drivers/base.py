@@ -36,7 +36,13 @@ from types import TracebackType
 from typing import ClassVar
 
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import DuplicateGpuDevice, UnknownGpuDevice, UnsupportedGpuRequest
+from gpuhost.errors import (
+    DuplicateGpuDevice,
+    GpuCountMismatch,
+    UnknownGpuDevice,
+    UnsupportedGpuRequest,
+    shown,
+)
 from gpuhost.host import GpuHost
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
 from gpuhost.spec import (
@@ -370,7 +376,21 @@ class Driver(ABC):
         if plan is None:
             return None
         if plan.device_ids:
-            return dataclasses.replace(plan, gpus=self.resolve(plan))
+            gpus = self.resolve(plan)
+            if (
+                request.gpu is not None
+                and request.gpu.count is not None
+                and len(gpus) != plan.count
+            ):
+                # One ID may name several GPUs (a container's <kind>=all): the count given
+                # must be theirs, not the number of IDs.
+                raise GpuCountMismatch(
+                    plan.field,
+                    list(plan.device_ids),
+                    f"gpu count ({plan.count}) must match the number of GPUs {plan.field} "
+                    f"names ({len(gpus)}): {shown(list(plan.device_ids))}",
+                )
+            return dataclasses.replace(plan, count=len(gpus), gpus=gpus)
         self.check_choice(plan)
         return plan
 
@@ -382,7 +402,7 @@ class Driver(ABC):
             raise UnsupportedGpuRequest(
                 f"{field}.mig_profile",
                 plan.mig_profile,
-                f"no MIG instance of this host has the profile {plan.mig_profile!r} "
+                f"no MIG instance of this host has the profile {shown(plan.mig_profile)} "
                 f"({field}.mig_profile); its profiles: {', '.join(profiles) or 'none'}",
             )
         if plan.vendor is not None and not self.pool(plan):
@@ -390,7 +410,7 @@ class Driver(ABC):
             raise UnsupportedGpuRequest(
                 f"{field}.vendor",
                 plan.vendor,
-                f"this host has no {plan.vendor} GPU ({field}.vendor); its GPUs are "
+                f"this host has no {shown(plan.vendor)} GPU ({field}.vendor); its GPUs are "
                 f"{', '.join(vendors) or 'none'}",
             )
 
@@ -410,7 +430,7 @@ class Driver(ABC):
                 raise UnknownGpuDevice(
                     plan.field,
                     device_id,
-                    f"{plan.field} names an unknown device '{device_id}' "
+                    f"{plan.field} names an unknown device {shown(device_id)} "
                     f"(the {self.name} driver accepts {self.capabilities.exact_id_forms}; "
                     f"this host has {len(self.inventory())} GPUs)",
                 )
@@ -420,8 +440,8 @@ class Driver(ABC):
                     raise DuplicateGpuDevice(
                         plan.field,
                         device_id,
-                        f"{plan.field} contains duplicate device ID '{device_id}': "
-                        f"'{first}' names the same GPU ({gpu.uuid})",
+                        f"{plan.field} contains duplicate device ID {shown(device_id)}: "
+                        f"{shown(first)} names the same GPU ({gpu.uuid})",
                     )
                 chosen[gpu.uuid] = (device_id, gpu)
         for device_id, gpu in chosen.values():
@@ -430,7 +450,8 @@ class Driver(ABC):
                 raise DuplicateGpuDevice(
                     plan.field,
                     device_id,
-                    f"{plan.field} names '{whole}' whole and its MIG instance '{device_id}': "
+                    f"{plan.field} names {shown(whole)} whole and its MIG instance "
+                    f"{shown(device_id)}: "
                     f"the instance is part of that GPU ({gpu.parent_uuid})",
                 )
         return tuple(gpu for _, gpu in chosen.values())

@@ -46,6 +46,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -78,11 +79,20 @@ from gpuhost.errors import (
     SandboxExecError,
     SandboxStartError,
     UnknownImage,
+    named,
+    shown,
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
-from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field, thawed
+from gpuhost.spec import (
+    DriverCapabilities,
+    DriverRequest,
+    GpuPlan,
+    block_field,
+    check_image,
+    thawed,
+)
 from gpuhost.wait import wait_for
 
 if TYPE_CHECKING:
@@ -112,6 +122,19 @@ SECURITY_CONTEXT: Mapping[str, Any] = MappingProxyType(
 OPTION_KEYS = ("runtime_class_name", "node_selector", "image")
 """The keys of its own block it reads, beside the common ones: a pod's runtime class, the
 nodes it may go to, the image its container runs."""
+_DNS_SUBDOMAIN = re.compile(
+    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+_LABEL_VALUE = re.compile(r"(?=.{1,63}\Z)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+"""Kubernetes' syntax of names (RFC 1123 subdomains) and label values (and label names
+after their prefix)."""
+
+
+def _label_name(name: str) -> bool:
+    prefix, slash, rest = name.rpartition("/")
+    if slash and not _DNS_SUBDOMAIN.fullmatch(prefix):
+        return False
+    return bool(_LABEL_VALUE.fullmatch(rest))
 
 
 START_TIMEOUT_S = 120.0
@@ -774,25 +797,44 @@ class KubernetesDriver(Driver):
         return super().plan(request)
 
     def _check_options(self, block: Mapping[str, Any]) -> None:
+        """The pod's options, by the API's own rules: one it would refuse is refused here."""
         prefix = block_field(self.name)
-        for key in ("runtime_class_name", "image"):
-            value = block.get(key)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise InvalidDriverConfig(
-                    f"{prefix}.{key}",
-                    value,
-                    f"{prefix}.{key} must be a non-empty string, got {value!r}",
-                )
-        selector = block.get("node_selector")
-        if selector is not None and not (
-            isinstance(selector, Mapping)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items())
+        if block.get("image") is not None:
+            check_image(block["image"], f"{prefix}.image", InvalidDriverConfig)
+        runtime_class = block.get("runtime_class_name")
+        if runtime_class is not None and not (
+            isinstance(runtime_class, str) and _DNS_SUBDOMAIN.fullmatch(runtime_class)
         ):
+            raise InvalidDriverConfig(
+                f"{prefix}.runtime_class_name",
+                runtime_class,
+                f"{prefix}.runtime_class_name must be a RuntimeClass's name (lower-case "
+                f"letters, digits, '-' and '.', at most 253), got {shown(runtime_class)}",
+            )
+        selector = thawed(block.get("node_selector"))
+        if selector is None:
+            return
+        if not isinstance(selector, dict):
             raise InvalidDriverConfig(
                 f"{prefix}.node_selector",
                 selector,
-                f"{prefix}.node_selector must map label names to strings, got {selector!r}",
+                f"{prefix}.node_selector must map label names to strings, got {shown(selector)}",
             )
+        for name, value in selector.items():
+            if not _label_name(name):
+                raise InvalidDriverConfig(
+                    f"{prefix}.node_selector",
+                    name,
+                    f"{prefix}.node_selector has a key {shown(name)} that is no label name "
+                    "([prefix/]name: letters, digits, '-', '_' and '.', at most 63)",
+                )
+            if not (isinstance(value, str) and (not value or _LABEL_VALUE.fullmatch(value))):
+                raise InvalidDriverConfig(
+                    f"{prefix}.node_selector.{name}",
+                    value,
+                    f"{prefix}.node_selector.{named(name)} must be a label value (letters, digits, "
+                    f"'-', '_' and '.', at most 63), got {shown(value)}",
+                )
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         """Nothing here: the scheduler and the node's device plugin allocate."""

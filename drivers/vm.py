@@ -81,6 +81,7 @@ from gpuhost.errors import (
     SandboxStartError,
     UnknownGpuDevice,
     UnsupportedGpuRequest,
+    shown,
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, LeaseRegistry, boot_id
@@ -150,7 +151,7 @@ HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
 GUEST_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 _NAME = re.compile(rf"^{NAME_PREFIX}/(?P<session>[^/]+)/(?P<sandbox>[^/]+)$")
 # "invalid PCI BDF address" for anything that is neither an index nor a PCI address.
-_INDEX = re.compile(r"^[0-9]+$")
+_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,42 +205,33 @@ class VmDriver(Driver):
                 raise UnsupportedGpuRequest(
                     exc.field,
                     exc.value,
-                    f"VM GPU sandboxes support only one GPU ({exc.field} = {exc.value!r}; "
+                    f"VM GPU sandboxes support only one GPU ({exc.field} = {shown(exc.value)}; "
                     f"this host has {len(self.inventory())} GPUs: one VM each)",
                 ) from None
             raise
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """A PCI address in any form, or a host index; one GPU (the plan allows no more)."""
+        """A PCI address in any form, or a host index; one GPU (the plan allows no more).
+
+        Written exactly: no white space around it, an index in ASCII digits without leading
+        zeros, as the other drivers take their IDs.
+        """
         inventory = self.inventory()
         chosen = []
         for device_id in plan.device_ids:
-            if _INDEX.match(device_id):
-                # The host's index, as nvidia-smi numbers GPUs: GPUs in MIG mode count too.
-                index, gpus = int(device_id), self.host.gpus
-                if index >= len(gpus):
-                    raise UnknownGpuDevice(
-                        plan.field,
-                        device_id,
-                        f"GPU index {index} out of range (have {len(gpus)} GPUs) in {plan.field}",
-                    )
-                if gpus[index] not in inventory:
-                    raise UnknownGpuDevice(
-                        plan.field,
-                        device_id,
-                        f"GPU index {index} ({gpus[index].pci_bus_id}) is in MIG mode; a VM takes "
-                        f"a whole GPU (this host's: {', '.join(g.pci_bus_id for g in inventory)})",
-                    )
-                chosen.append(gpus[index])
+            if _INDEX.fullmatch(device_id):
+                chosen.append(self._by_index(plan.field, device_id, inventory))
                 continue
             try:
+                if device_id != device_id.strip():
+                    raise ValueError(device_id)
                 bus = normalize_pci_bus_id(device_id)
             except ValueError:
                 raise UnknownGpuDevice(
                     plan.field,
                     device_id,
-                    f"invalid PCI BDF address: {device_id} (in {plan.field}; the vm driver "
-                    f"accepts {self.capabilities.exact_id_forms})",
+                    f"invalid PCI BDF address: {shown(device_id)} (in {plan.field}; the vm "
+                    f"driver accepts {self.capabilities.exact_id_forms})",
                 ) from None
             found = [gpu for gpu in inventory if gpu.pci_bus_id == bus]
             if not found:
@@ -247,11 +239,30 @@ class VmDriver(Driver):
                 raise UnknownGpuDevice(
                     plan.field,
                     device_id,
-                    f"{plan.field} names '{device_id}', but no GPU that passes through is at "
-                    f"PCI address {bus} (this host's: {buses})",
+                    f"{plan.field} names {shown(device_id)}, but no GPU that passes through is "
+                    f"at PCI address {bus} (this host's: {buses})",
                 )
             chosen.append(found[0])
         return tuple(chosen)
+
+    def _by_index(self, field: str, device_id: str, inventory: tuple[GpuDevice, ...]) -> GpuDevice:
+        """The host's index, as nvidia-smi numbers GPUs: GPUs in MIG mode count too."""
+        gpus = self.host.gpus
+        if len(device_id) > len(str(len(gpus))) or int(device_id) >= len(gpus):
+            raise UnknownGpuDevice(
+                field,
+                device_id,
+                f"GPU index {shown(device_id)} out of range (have {len(gpus)} GPUs) in {field}",
+            )
+        gpu = gpus[int(device_id)]
+        if gpu not in inventory:
+            raise UnknownGpuDevice(
+                field,
+                device_id,
+                f"GPU index {shown(device_id)} ({gpu.pci_bus_id}) in {field} is in MIG mode; a "
+                f"VM takes a whole GPU (this host's: {', '.join(g.pci_bus_id for g in inventory)})",
+            )
+        return gpu
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         try:

@@ -46,6 +46,7 @@ from gpuhost.errors import (
     SandboxStartError,
     UnknownImage,
     UnsupportedGpuRequest,
+    shown,
 )
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
@@ -194,7 +195,19 @@ def _offline_driver(monkeypatch: pytest.MonkeyPatch) -> KubernetesDriver:
         ({"runtime_class_name": ""}, "template.driver_config.kubernetes.runtime_class_name"),
         ({"image": 3}, "template.driver_config.kubernetes.image"),
         ({"node_selector": ["gpu"]}, "template.driver_config.kubernetes.node_selector"),
-        ({"node_selector": {"gpu": 1}}, "template.driver_config.kubernetes.node_selector"),
+        ({"node_selector": {"gpu": 1}}, "template.driver_config.kubernetes.node_selector.gpu"),
+        ({"node_selector": {"": ""}}, "template.driver_config.kubernetes.node_selector"),
+        ({"node_selector": {"a/b/c": "x"}}, "template.driver_config.kubernetes.node_selector"),
+        (
+            {"node_selector": {"gpu": "h 100"}},
+            "template.driver_config.kubernetes.node_selector.gpu",
+        ),
+        (
+            {"runtime_class_name": "nvi\x00dia"},
+            "template.driver_config.kubernetes.runtime_class_name",
+        ),
+        ({"runtime_class_name": "Nvidia"}, "template.driver_config.kubernetes.runtime_class_name"),
+        ({"image": " busybox\n"}, "template.driver_config.kubernetes.image"),
     ],
 )
 def test_bad_options_name_the_field(
@@ -208,6 +221,7 @@ def test_bad_options_name_the_field(
     with pytest.raises(InvalidDriverConfig) as raised:
         driver.create(spec)
     assert raised.value.field == field
+    assert shown(raised.value.value) in str(raised.value)
 
 
 def test_exact_ids_and_sharing_are_refused_by_field(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from gpuhost import cdi, simulated
 from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -27,6 +28,7 @@ from gpuhost.errors import (
     UnsupportedGpuRequest,
     shown,
 )
+from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import (
     DEFAULT_GPU_COUNT,
     DriverCapabilities,
@@ -1312,8 +1314,6 @@ def test_a_driver_declares_its_aliases_for_the_device_ids() -> None:
 
 
 def test_a_driver_from_another_package_judges_its_own_option(tmp_path: Path) -> None:
-    from gpuhost import simulated
-    from gpuhost.host import GpuHost, HostConfig
     from tests.fake_drivers import TieredDriver
 
     driver = TieredDriver(
@@ -1328,3 +1328,26 @@ def test_a_driver_from_another_package_judges_its_own_option(tmp_path: Path) -> 
     with pytest.raises(InvalidDriverConfig) as raised:
         driver.plan(select(parse_spec(bad), "tiered"))
     assert raised.value.field == "template.driver_config.tiered.tier"
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_a_name_for_every_gpu_with_a_count_must_be_their_count(
+    sim_host: simulated.SimulatedHost, engine: str
+) -> None:
+    """``<kind>=all`` with ``count: 1``: refused, never a plan of one holding all eight."""
+    from tests.offline_drivers import OfflineDocker, OfflinePodman
+
+    host = GpuHost.open(HostConfig(sim_host.root))
+    driver = (OfflineDocker if engine == "docker" else OfflinePodman)(host, "all")
+    everything = cdi.all_devices(driver.cdi_kind)
+    field = f"template.driver_config.{engine}.gpu_device_ids"
+    with pytest.raises(GpuCountMismatch) as raised:
+        driver.plan(select(parse_spec(request(1, ids=[everything], driver=engine)), engine))
+    assert str(raised.value) == (
+        f"gpu count (1) must match the number of GPUs {field} names (8): ['{everything}']"
+    )
+    assert (raised.value.field, raised.value.value) == (field, [everything])
+    plan = driver.plan(select(parse_spec(request(ids=[everything], driver=engine)), engine))
+    assert plan is not None
+    assert (plan.count, plan.gpus) == (8, host.gpus)
+    assert host.leases.leases() == []

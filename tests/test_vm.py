@@ -108,11 +108,18 @@ def test_more_than_one_gpu_is_refused_before_anything_is_taken(vm_driver: VmDriv
 @pytest.mark.parametrize(
     ("device_id", "message"),
     [
-        ("0000:2a:0.0", "invalid PCI BDF address: 0000:2a:0.0"),
-        ("GPU-123", "invalid PCI BDF address: GPU-123"),
-        ("4", "GPU index 4 out of range (have 4 GPUs)"),
-        ("0", "GPU index 0 (0000:18:00.0) is in MIG mode"),
+        ("0000:2a:0.0", "invalid PCI BDF address: '0000:2a:0.0'"),
+        ("GPU-123", "invalid PCI BDF address: 'GPU-123'"),
+        ("4", "GPU index '4' out of range (have 4 GPUs)"),
+        ("0", "GPU index '0' (0000:18:00.0) in template.driver_config.vm.gpu_device_ids is in MIG"),
         ("0000:ee:00.0", "no GPU that passes through is at PCI address 0000:ee:00.0"),
+        ("1\n", "invalid PCI BDF address: '1\\n'"),
+        ("01", "invalid PCI BDF address: '01'"),
+        ("0001", "invalid PCI BDF address: '0001'"),
+        ("٣", "invalid PCI BDF address: '٣'"),
+        (" 0000:2a:00.0", "invalid PCI BDF address: ' 0000:2a:00.0'"),
+        ("0000:2a:00.0\t", "invalid PCI BDF address: '0000:2a:00.0\\t'"),
+        pytest.param("9" * 5000, "GPU index '99999", id="5000-nines"),
     ],
 )
 def test_bad_exact_ids_name_the_value(vm_driver: VmDriver, device_id: str, message: str) -> None:
