@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gpu_sandbox.flags import GpuFlags, flag_of, spec_dict
+from gpu_sandbox.flags import GpuFlags, flag_of, flag_text, spec_dict
+from gpuhost.errors import FIELD_LIMIT, named, shown
+from gpuhost.spec import MAX_INT_DIGITS
 
 if TYPE_CHECKING:
     from drivers.base import Driver
@@ -52,6 +55,7 @@ NO_TIMEOUT_S = 20 * 24 * 3600.0
 Ctrl-C ends it. The drivers take a number: 20 days is below poll(2)'s maximum (24.8 days),
 through which a driver may wait for the command's output."""
 EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
+_INTEGER = re.compile(r"-?[0-9]+")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EPILOG = """\
 GPU flags (run, spec), and the request each one makes (seed 003's shape):
@@ -136,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
         help=f"a built-in driver or an import path (default: {DEFAULT_DRIVER})",
     )
     group.add_argument("--gpu", action="store_true", help="the driver's default GPU request")
-    group.add_argument("--gpu-count", type=int, metavar="N", help="N GPUs")
+    group.add_argument("--gpu-count", type=_count, metavar="N", help="N GPUs")
     group.add_argument(
         "--gpu-sharing",
         metavar="MODE",
@@ -386,13 +390,13 @@ def _resolved(request: DriverRequest, driver: Driver) -> dict[str, Any]:
 
 def _print_spec(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        _print(json.dumps(report, indent=2))
+        _print(json.dumps(report, indent=2, allow_nan=False))
         return
     name = report["driver"]
     if report["spec"] is not None:
-        _print(json.dumps(report["spec"], indent=2))
+        _print(json.dumps(report["spec"], indent=2, allow_nan=False))
     if report["received"] is not None:
-        block = json.dumps(report["received"]["driver_config"])
+        block = json.dumps(report["received"]["driver_config"], allow_nan=False)
         _print(f"{name}: the gateway hands the driver its own block: {block}")
     if not report["valid"]:
         error = report["error"]
@@ -529,17 +533,20 @@ def reap_command(args: argparse.Namespace) -> int:
 # -- shared --------------------------------------------------------------------------------
 
 
+def _count(text: str) -> int:
+    """``--gpu-count``: an integer in ASCII digits, as JSON writes it (no ``1_0``, no ``٣``)."""
+    if not _INTEGER.fullmatch(text) or len(text) > MAX_INT_DIGITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid int value: {shown(text)} (a count is written in ASCII digits, e.g. 2)"
+        )
+    return int(text)
+
+
 def _flags(args: argparse.Namespace) -> GpuFlags:
     config = args.driver_config_json
     text = config
     if config is not None and config.startswith("@"):
-        try:
-            text = Path(config[1:]).read_text()
-        except OSError as exc:
-            raise CommandError(
-                f"--driver-config-json={config}: cannot read {config[1:]}: {exc.strerror}",
-                EXIT_USAGE,
-            ) from None
+        text = _read_text(Path(config[1:]), flag_text("--driver-config-json", config))
     flags = GpuFlags(
         gpu=args.gpu,
         gpu_count=args.gpu_count,
@@ -563,22 +570,24 @@ def _request(args: argparse.Namespace, flags: GpuFlags, driver: Driver) -> Any:
     """The request: ``--request``'s JSON, or what the flags make for ``driver``."""
     if args.request is None:
         return spec_dict(flags, driver.name, driver.capabilities.id_keys)
-    from gpuhost.errors import InvalidGpuRequest
+    from gpuhost.spec import read_json
 
-    source = "stdin" if args.request == "-" else args.request
+    path = None if args.request == "-" else Path(args.request)
+    text = _read_text(path, flag_text("--request", args.request))
+    return read_json(text, what=f"the request in {'stdin' if path is None else named(str(path))}")
+
+
+def _read_text(path: Path | None, flag: str) -> str:
+    """The UTF-8 text of ``path`` (None: stdin), or the command's refusal naming ``flag``."""
+    source = "stdin" if path is None else named(str(path))
     try:
-        text = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise CommandError(
-            f"--request={args.request}: cannot read {source}: {reason}", EXIT_USAGE
-        ) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidGpuRequest(
-            "spec", text, f"the request in {source} is not valid JSON: {exc}"
-        ) from None
+        data = sys.stdin.buffer.read() if path is None else path.read_bytes()
+        return data.decode()
+    except OSError as exc:
+        reason = exc.strerror
+    except UnicodeDecodeError as exc:
+        reason = f"it is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    raise CommandError(f"{flag}: cannot read {source}: {reason}", EXIT_USAGE)
 
 
 def _driver(args: argparse.Namespace, session: str) -> Driver:
@@ -587,7 +596,7 @@ def _driver(args: argparse.Namespace, session: str) -> Driver:
     try:
         cls = get_driver_class(args.driver)
     except UnknownDriver as exc:
-        raise CommandError(f"--driver={args.driver}: {exc}", EXIT_USAGE) from None
+        raise CommandError(f"{flag_text('--driver', args.driver)}: {exc}", EXIT_USAGE) from None
     try:
         return cls(_host(args), session, args.image)
     except ValueError as exc:  # the session id (--session)
@@ -624,7 +633,7 @@ def _print(text: str) -> None:
 def _refused(error: RequestError, flags: GpuFlags, driver: Driver) -> CommandError:
     """The one line of a refused request: the flag and its value, the message, the field."""
     flag = _flag_of(error, flags, driver)
-    where = f"{type(error).__name__} at {error.field}"
+    where = f"{type(error).__name__} at {named(error.field, FIELD_LIMIT)}"
     return CommandError(f"{flag + ': ' if flag else ''}{error} ({where})", EXIT_USAGE)
 
 
@@ -634,12 +643,14 @@ def _flag_of(error: RequestError, flags: GpuFlags, driver: Driver) -> str:
 
 def _error_json(error: RequestError, flags: GpuFlags, driver: Driver) -> dict[str, Any]:
     value = error.value
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):  # not JSON, or an integer too long for str()
+        value = shown(value)
     return {
         "type": type(error).__name__,
         "field": error.field,
-        "value": value
-        if isinstance(value, str | int | float | bool | list | dict)
-        else repr(value),
+        "value": value,
         "message": str(error),
         "flag": _flag_of(error, flags, driver) or None,
     }

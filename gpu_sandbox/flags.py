@@ -25,15 +25,21 @@ the driver's own validation, and ``flag_of`` names the flag an error's field cam
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from drivers import REGISTRY
-from gpuhost.errors import GpuCountMismatch, InvalidDriverConfig, InvalidGpuRequest, RequestError
-from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, block_field
+from gpuhost.errors import (
+    GpuCountMismatch,
+    InvalidDriverConfig,
+    InvalidGpuRequest,
+    RequestError,
+    named,
+    shown,
+)
+from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, block_field, read_json
 
 REQUEST_FLAGS = (
     "--gpu",
@@ -120,27 +126,29 @@ def flag_of(
     """The flag (with its value, as given) that ``error``'s field came from; "" if none."""
     field = error.field
     ids_fields = {block_field(driver, key) for key in id_keys}
-    devices = " ".join(_flag("--gpu-device", device) for device in flags.gpu_devices)
-    config = _flag("--driver-config-json", flags.driver_config_arg or flags.driver_config_json)
+    devices = " ".join(flag_text("--gpu-device", device) for device in flags.gpu_devices)
+    config = flag_text("--driver-config-json", flags.driver_config_arg or flags.driver_config_json)
     if field == "resource_requirements.gpu.count":
         if flags.gpu_count is not None:
-            return _flag("--gpu-count", str(flags.gpu_count))
+            return _count_flag(flags.gpu_count)
         return devices or "--gpu"
     if field == "resource_requirements.gpu.sharing":
-        return _flag("--gpu-sharing", flags.gpu_sharing)
+        return flag_text("--gpu-sharing", flags.gpu_sharing)
     if isinstance(error, GpuCountMismatch) and flags.gpu_count is not None:
-        return f"{_flag('--gpu-count', str(flags.gpu_count))} {devices or config}"
+        return f"{_count_flag(flags.gpu_count)} {devices or config}"
     if field in ids_fields and flags.gpu_devices:
-        named = error.value if isinstance(error.value, str) else None
-        if named in flags.gpu_devices:
-            return _flag("--gpu-device", named)
+        device = error.value if isinstance(error.value, str) else None
+        if device in flags.gpu_devices:
+            return flag_text("--gpu-device", device)
         return f"{devices} {config}" if flags.driver_config_json is not None else devices
     if field.startswith(ENVELOPE):
         return config if flags.driver_config_json is not None else ""
     if field == "template.image":
-        return _flag("--image", flags.image)
-    if field == "template.env":
-        return _flag("--env", error.value if isinstance(error.value, str) else None)
+        return flag_text("--image", flags.image)
+    if field == "template.env" or field.startswith("template.env."):
+        name = field.removeprefix("template.env.") if field != "template.env" else error.value
+        given = [pair for pair in flags.env if pair == name or pair.partition("=")[0] == name]
+        return " ".join(flag_text("--env", pair) for pair in given) or "--env"
     return ""
 
 
@@ -150,14 +158,12 @@ def _envelope(
     """``template.driver_config``: the JSON's envelope or block, with the IDs joined."""
     value: Any = None
     if flags.driver_config_json is not None:
-        try:
-            value = json.loads(flags.driver_config_json)
-        except json.JSONDecodeError as exc:
-            raise InvalidDriverConfig(
-                block_field(driver),
-                flags.driver_config_json,
-                f"--driver-config-json is not valid JSON: {exc}",
-            ) from None
+        value = read_json(
+            flags.driver_config_json,
+            block_field(driver),
+            "--driver-config-json",
+            InvalidDriverConfig,
+        )
     if _is_envelope(value, drivers):
         envelope = dict(value)
     elif value is None:
@@ -173,8 +179,8 @@ def _envelope(
                 raise InvalidDriverConfig(
                     block_field(driver, key),
                     block[key],
-                    f"device IDs come from both --gpu-device ({list(flags.gpu_devices)!r}) and "
-                    f"{block_field(driver, key)} ({block[key]!r}): give them once",
+                    f"device IDs come from both --gpu-device ({shown(list(flags.gpu_devices))}) "
+                    f"and {block_field(driver, key)} ({shown(block[key])}): give them once",
                 )
         envelope[driver] = {**block, DEVICE_IDS_KEY: list(flags.gpu_devices)}
     return envelope or None
@@ -191,11 +197,22 @@ def _env(pairs: Sequence[str]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InvalidGpuRequest(
-                "template.env", pair, f"env entries are KEY=VALUE, got {pair!r}"
+                "template.env", pair, f"env entries are KEY=VALUE, got {shown(pair)}"
             )
         env[key] = value
     return env
 
 
-def _flag(flag: str, value: str | None) -> str:
-    return flag if value is None else f"{flag}={shlex.quote(value)}"
+def flag_text(flag: str, value: str | None) -> str:
+    """``--flag=VALUE`` as a shell would take it back, on one line and cut when long."""
+    if value is None:
+        return flag
+    text = named(value)
+    return f"{flag}={shlex.quote(value) if text == value else text}"
+
+
+def _count_flag(count: int) -> str:
+    # str() refuses integers of more than 4,300 digits.
+    if count.bit_length() > 14_000:
+        return f"--gpu-count={shown(count)}"
+    return flag_text("--gpu-count", str(count))

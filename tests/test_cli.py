@@ -723,6 +723,109 @@ def test_a_request_that_is_not_json_is_a_typed_refusal(
     )
 
 
+def _strict(text: str) -> Any:
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _odd_input() -> list[Any]:
+    """(arguments, fragments of the one line): input that once ended in a traceback, exit 1."""
+    deep = "[" * 50_000 + "]" * 50_000
+    cases: list[tuple[str, list[str], list[str]]] = [
+        ("count-arabic-indic-digit", ["--gpu-count=٣"],
+         ["argument --gpu-count: invalid int value: '٣' (a count is written in ASCII digits"]),
+        ("count-underscore", ["--gpu-count=1_0"], ["invalid int value: '1_0'"]),
+        ("count-5000-digits", ["--gpu-count=" + "9" * 5000],
+         ["invalid int value: '999", "… (5000 characters)"]),
+        ("block-file-not-utf8", ["--gpu", "--driver-config-json=@{not_utf8}"],
+         ["--driver-config-json=@{not_utf8}: cannot read {not_utf8}: it is not UTF-8 text "
+          "(invalid start byte at byte 7)"]),
+        ("request-not-utf8", ["--request={not_utf8}"],
+         ["--request={not_utf8}: cannot read {not_utf8}: it is not UTF-8 text"]),
+        ("block-duplicate-key",
+         ["--gpu", '--driver-config-json={"gpu_device_ids": ["0"], "gpu_device_ids": []}'],
+         ["--driver-config-json is not strict JSON: the key 'gpu_device_ids' is given twice",
+          "(InvalidDriverConfig at template.driver_config.reference)"]),
+        ("block-nan", ["--gpu", '--driver-config-json={"x": NaN}'],
+         ["NaN is not a JSON number, in '{\"x\": NaN}'"]),
+        ("block-5000-digits", ["--gpu", '--driver-config-json={"x": %s}' % ("9" * 5000)],
+         ["an integer of 5000 digits (at most 4300)"]),
+        ("block-deep", ["--gpu", f"--driver-config-json={deep}"],
+         ["nests deeper than a request may (32 levels)"]),
+        ("device-with-a-newline", ["--gpu-device=1\n"],
+         ["--gpu-device='1\\n': ", "names an unknown device '1\\n'", "UnknownGpuDevice"]),
+        ("image-padded", ["--gpu", "--image= busybox\n"],
+         ["--image=' busybox\\n': template.image must be an image's name"]),
+        ("vm-index-5000-digits", ["--driver=vm", "--gpu-device=" + "9" * 5000],
+         ["GPU index '999", "… (5000 characters) out of range (have 4 GPUs)"]),
+        ("vm-index-newline", ["--driver=vm", "--gpu-device=1\n"],
+         ["invalid PCI BDF address: '1\\n'"]),
+        ("vm-index-leading-zero", ["--driver=vm", "--gpu-device=01"],
+         ["invalid PCI BDF address: '01'"]),
+    ]  # fmt: skip
+    return [pytest.param(args, fragments, id=name) for name, args, fragments in cases]
+
+
+@pytest.mark.parametrize(("args", "fragments"), _odd_input())
+def test_odd_input_is_one_line_and_exit_2(
+    sim: simulated.SimulatedHost, tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    not_utf8 = tmp_path / "block.json"
+    not_utf8.write_bytes(b'{"a": "\xff"}')
+    args = [arg.replace("{not_utf8}", str(not_utf8)) for arg in args]
+    result = gpu_sandbox("spec", f"--sim-root={sim.root}", *args)
+    assert_refused(result, *(f.replace("{not_utf8}", str(not_utf8)) for f in fragments))
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("request_text", "fragments"),
+    [
+        pytest.param(
+            '{"resource_requirements": {"gpu": {}}, "template": {"driver_config": '
+            '{"reference": {"gpu_device_ids": ["3"]}}, "driver_config": {}}}',
+            ["the key 'driver_config' is given twice in one object", "(InvalidGpuRequest at spec)"],
+            id="duplicate-key",
+        ),
+        pytest.param(
+            '{"template": {"env": {"A": "a\\u0000b"}}}',
+            ["template.env.A must be a string without NUL", "got 'a\\x00b'", "at template.env.A"],
+            id="env-nul",
+        ),
+        pytest.param(
+            '{"template": {"env": {"A": "\\ud800"}}}',
+            ["got '\\ud800'", "at template.env.A"],
+            id="env-lone-surrogate",
+        ),
+        pytest.param(
+            '{"template": {"image": "a\\u0000b"}}',
+            ["got 'a\\x00b'", "(InvalidGpuRequest at template.image)"],
+            id="image-nul",
+        ),
+        pytest.param(
+            '{"resource_requirements": {"gpu": {"count": 1e400}}}',
+            ["the number '1e400' is too large for a float"],
+            id="float-overflow",
+        ),
+    ],
+)
+def test_a_request_json_can_read_only_one_way_is_refused(
+    sim: simulated.SimulatedHost, request_text: str, fragments: list[str]
+) -> None:
+    """Each through stdin, and ``spec --json`` prints strict JSON even then."""
+    result = subprocess.run(
+        [str(GPU_SANDBOX), "spec", f"--sim-root={sim.root}", "--request=-", "--json"],
+        input=request_text, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        check=False, env=_env(),
+    )  # fmt: skip
+    assert_refused(result, *fragments)
+    report = _strict(result.stdout)
+    assert report["valid"] is False
+    assert report["error"]["message"] in result.stderr
+
+
 def test_gpu_sharing_and_the_envelope_from_the_command_line(sim: simulated.SimulatedHost) -> None:
     envelope = json.dumps({"vm": {"gpu_device_ids": ["7"]}, "reference": {"gpu_device_ids": ["1"]}})
     result = gpu_sandbox(
