@@ -37,7 +37,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpu_sandbox.flags import GpuFlags, flag_of, flag_text, spec_dict
-from gpuhost.errors import FIELD_LIMIT, named, shown
+from gpuhost.errors import FIELD_LIMIT, PATH_LIMIT, named, shown
 from gpuhost.spec import MAX_INT_DIGITS
 
 if TYPE_CHECKING:
@@ -546,7 +546,7 @@ def _flags(args: argparse.Namespace) -> GpuFlags:
     config = args.driver_config_json
     text = config
     if config is not None and config.startswith("@"):
-        text = _read_text(Path(config[1:]), flag_text("--driver-config-json", config))
+        text = _read_text(Path(config[1:]), flag_text("--driver-config-json", config, PATH_LIMIT))
     flags = GpuFlags(
         gpu=args.gpu,
         gpu_count=args.gpu_count,
@@ -573,13 +573,14 @@ def _request(args: argparse.Namespace, flags: GpuFlags, driver: Driver) -> Any:
     from gpuhost.spec import read_json
 
     path = None if args.request == "-" else Path(args.request)
-    text = _read_text(path, flag_text("--request", args.request))
-    return read_json(text, what=f"the request in {'stdin' if path is None else named(str(path))}")
+    text = _read_text(path, flag_text("--request", args.request, PATH_LIMIT))
+    where = "stdin" if path is None else named(str(path), PATH_LIMIT)
+    return read_json(text, what=f"the request in {where}")
 
 
 def _read_text(path: Path | None, flag: str) -> str:
     """The UTF-8 text of ``path`` (None: stdin), or the command's refusal naming ``flag``."""
-    source = "stdin" if path is None else named(str(path))
+    source = "stdin" if path is None else named(str(path), PATH_LIMIT)
     try:
         data = sys.stdin.buffer.read() if path is None else path.read_bytes()
         return data.decode()

@@ -32,6 +32,7 @@ from typing import Any
 
 from drivers import REGISTRY
 from gpuhost.errors import (
+    SHOWN_LIMIT,
     GpuCountMismatch,
     InvalidDriverConfig,
     InvalidGpuRequest,
@@ -203,11 +204,11 @@ def _env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def flag_text(flag: str, value: str | None) -> str:
-    """``--flag=VALUE`` as a shell would take it back, on one line and cut when long."""
+def flag_text(flag: str, value: str | None, limit: int = SHOWN_LIMIT) -> str:
+    """``--flag=VALUE`` as a shell would take it back, on one line and cut past ``limit``."""
     if value is None:
         return flag
-    text = named(value)
+    text = named(value, limit)
     return f"{flag}={shlex.quote(value) if text == value else text}"
 
 

@@ -14,6 +14,8 @@ SHOWN_LIMIT = 80
 """How much of a value a message shows: enough to recognise it, on one line."""
 FIELD_LIMIT = 200
 """A field (a path of keys) is named whole up to this length; the request's own are shorter."""
+PATH_LIMIT = 4096
+"""A file's path is named whole up to PATH_MAX: whoever reads the message must find the file."""
 _SHORT_INT_BITS = 256
 """Integers below 2**256 (up to 78 digits) are shown whole; larger ones by their length."""
 
