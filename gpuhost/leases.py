@@ -460,13 +460,21 @@ class LeaseRegistry:
                 "remove it"
             ) from None
 
+    def close(self) -> None:
+        """Close the registry's directory and file; the next use opens them again."""
+        for fd in (self._dir_fd, self._file_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._dir_fd = self._file_fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
     def _after_fork_in_child(self) -> None:
         # The parent's open directory would share its flock with the child, and a thread of
         # the parent may have held the thread lock at the fork: start afresh.
-        for fd in (self._dir_fd, self._file_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._dir_fd = self._file_fd = -1
+        self.close()
         self._thread_lock = threading.Lock()
 
     def _load_mine(self) -> list[Lease]:

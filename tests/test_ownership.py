@@ -785,3 +785,12 @@ def test_a_lock_held_too_long_fails_the_grant_naming_its_holder(tmp_path: Path) 
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_registry_let_go_leaves_no_file_open(tmp_path: Path) -> None:
+    """Before: each registry kept its files open for the life of the process (EMFILE)."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(500):
+        LeaseRegistry(tmp_path / "leases").acquire(INVENTORY, owner("a"), count=1)
+        LeaseRegistry(tmp_path / "leases").release("a")
+    assert len(os.listdir("/proc/self/fd")) <= before
