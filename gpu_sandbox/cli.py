@@ -56,6 +56,7 @@ Ctrl-C ends it. The drivers take a number: 20 days is below poll(2)'s maximum (2
 through which a driver may wait for the command's output."""
 EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
 _INTEGER = re.compile(r"-?[0-9]+")
+_SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,9})?")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EPILOG = """\
 GPU flags (run, spec), and the request each one makes (seed 003's shape):
@@ -196,7 +197,7 @@ def parser() -> argparse.ArgumentParser:
         "gpu-sandbox reap after a crash",
     )
     run.add_argument(
-        "--timeout", type=float, metavar="SECONDS", help="kill CMD after SECONDS (exit 124)"
+        "--timeout", type=_seconds, metavar="SECONDS", help="kill CMD after SECONDS (exit 124)"
     )
     run.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command and its arguments")
     run.set_defaults(command=run_command)
@@ -540,6 +541,16 @@ def _count(text: str) -> int:
             f"invalid int value: {shown(text)} (a count is written in ASCII digits, e.g. 2)"
         )
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: seconds in ASCII digits, over 0 and at most ``NO_TIMEOUT_S``."""
+    if _SECONDS.fullmatch(text) and 0 < (seconds := float(text)) <= NO_TIMEOUT_S:
+        return seconds
+    raise argparse.ArgumentTypeError(
+        f"invalid value: {shown(text)} (seconds in ASCII digits, over 0 and at most "
+        f"{NO_TIMEOUT_S:g}, e.g. 30 or 2.5)"
+    )
 
 
 def _flags(args: argparse.Namespace) -> GpuFlags:

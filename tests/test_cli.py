@@ -314,6 +314,16 @@ def test_run_timeout_kills_the_command_and_closes(cli_driver: Driver) -> None:
     assert_nothing_left(cli_driver)
 
 
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0", "1_0", "٣", "1e3", "9" * 5000])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(
+    cli_driver: Driver, timeout: str
+) -> None:
+    """Before: a float, so ``nan``, ``inf``, ``1_0`` and Arabic-Indic digits all ran."""
+    result = run(cli_driver, "--gpu", f"--timeout={timeout}", "--", "true")
+    assert_refused(result, "argument --timeout: invalid value: ", "(seconds in ASCII digits")
+    assert_nothing_left(cli_driver)
+
+
 class _started:
     """``gpu-sandbox run`` in a session of its own (a terminal's Ctrl-C goes to its group)."""
 
