@@ -43,8 +43,15 @@ def get_driver_class(name: str) -> type[Driver]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a driver module may fail to import in any way at all
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        hint = (
+            "; it is not on Python's path: run from its directory with PYTHONPATH=., or pip "
+            "install the package that holds it"
+            if missing and f"{module_name}.".startswith(f"{missing}.")
+            else ""
+        )
         raise UnknownDriver(
-            f"driver {name!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+            f"driver {name!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}{hint}"
         ) from exc
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Driver)):
