@@ -12,7 +12,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -24,11 +23,9 @@ from gpuhost import leasefile
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy
 from gpuhost.leases import Holder, LeaseFileCorrupt, LeaseOwner, LeaseRegistry, boot_id
+from tests.other_user import OTHER_USER, PYTHON, ROOT, readable_copy, setpriv
 
-ROOT = Path(__file__).parent.parent
 CLIENT = ROOT / "gpuhost" / "gpu-lease"
-OTHER_USER = 65534
-"""Another local user, who holds nothing of root's."""
 INVENTORY = tuple(
     GpuDevice(i, f"GPU-{i:08d}-aaaa-bbbb-cccc-000000000000", "GPU", f"0000:{0x18 + i:02x}:00.0")
     for i in range(4)
@@ -49,7 +46,13 @@ def shared_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def registry(shared_dir: Path) -> LeaseRegistry:
+def src(shared_dir: Path) -> Path:
+    """The copy of gpuhost/ the other user runs (tests/other_user.py)."""
+    return readable_copy(shared_dir)
+
+
+@pytest.fixture
+def registry(shared_dir: Path, src: Path) -> LeaseRegistry:
     registry = LeaseRegistry(shared_dir / "leases")
     registry.leases()  # makes the directory, sticky and world-writable
     return registry
@@ -62,11 +65,10 @@ def owner(sandbox_id: str) -> LeaseOwner:
     return LeaseOwner("test", sandbox_id, "s", ME)
 
 
-def as_other_user(*argv: str) -> subprocess.CompletedProcess[str]:
+def as_other_user(src: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["setpriv", f"--reuid={OTHER_USER}", f"--regid={OTHER_USER}", "--clear-groups", *argv],
-        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [*setpriv(), *argv], capture_output=True, text=True, timeout=60, check=False, cwd=src,
+        env={**os.environ, "PYTHONPATH": str(src)},
     )  # fmt: skip
 
 
@@ -78,8 +80,10 @@ def _registry_of(registry: LeaseRegistry) -> str:
     )
 
 
-def python_as_other_user(registry: LeaseRegistry, code: str) -> subprocess.CompletedProcess[str]:
-    return as_other_user(sys.executable, "-c", _registry_of(registry) + code)
+def python_as_other_user(
+    src: Path, registry: LeaseRegistry, code: str
+) -> subprocess.CompletedProcess[str]:
+    return as_other_user(src, PYTHON, "-c", _registry_of(registry) + code)
 
 
 def test_the_registry_directory_is_sticky_and_each_file_its_users(
@@ -94,14 +98,17 @@ def test_the_registry_directory_is_sticky_and_each_file_its_users(
 
 @needs_root
 @pytest.mark.parametrize("client", ["python", "sh"])
-def test_another_user_cannot_release_roots_lease(registry: LeaseRegistry, client: str) -> None:
+def test_another_user_cannot_release_roots_lease(
+    registry: LeaseRegistry, src: Path, client: str
+) -> None:
     """Before: user 65534 released root's lease, and root's next request got the same GPU."""
     registry.acquire(INVENTORY, owner("roots"), count=1)
     if client == "python":
-        tried = python_as_other_user(registry, "print(registry.release('roots'))")
+        tried = python_as_other_user(src, registry, "print(registry.release('roots'))")
         assert tried.stdout.strip() == "0", tried
     else:
-        tried = as_other_user(str(CLIENT), "--dir", str(registry.directory), "release", "roots")
+        client = str(src / "gpuhost" / "gpu-lease")
+        tried = as_other_user(src, client, "--dir", str(registry.directory), "release", "roots")
         assert tried.returncode == 0, tried
     assert [lease.sandbox_id for lease in registry.leases()] == ["roots"]
     with pytest.raises(GpuBusy):
@@ -109,12 +116,12 @@ def test_another_user_cannot_release_roots_lease(registry: LeaseRegistry, client
 
 
 @needs_root
-def test_another_user_cannot_write_roots_file(registry: LeaseRegistry) -> None:
+def test_another_user_cannot_write_roots_file(registry: LeaseRegistry, src: Path) -> None:
     registry.acquire(INVENTORY, owner("roots"), count=1)
-    tried = as_other_user("sh", "-c", f"echo garbage > {registry.path}")
+    tried = as_other_user(src, "sh", "-c", f"echo garbage > {registry.path}")
     assert tried.returncode != 0
     assert "Permission denied" in tried.stderr
-    tried = as_other_user("rm", "-f", str(registry.path))
+    tried = as_other_user(src, "rm", "-f", str(registry.path))
     assert tried.returncode != 0  # the directory is sticky
     assert [lease.sandbox_id for lease in registry.leases()] == ["roots"]
 
@@ -122,7 +129,7 @@ def test_another_user_cannot_write_roots_file(registry: LeaseRegistry) -> None:
 @needs_root
 @pytest.mark.parametrize("client", ["python", "sh"])
 def test_a_users_leases_hold_against_root_and_roots_against_the_user(
-    registry: LeaseRegistry, client: str
+    registry: LeaseRegistry, src: Path, client: str
 ) -> None:
     registry.acquire(INVENTORY, owner("roots"), exact=INVENTORY[:1])
     sleeper = "import time; time.sleep(60)"
@@ -136,10 +143,10 @@ def test_a_users_leases_hold_against_root_and_roots_against_the_user(
             "Holder.process(os.getpid())), count=1); print(got[0].index, flush=True); "
             "sys.stdout.close(); " + sleeper
         )
-        argv = [sys.executable, "-c", _registry_of(registry) + code]
+        argv = [PYTHON, "-c", _registry_of(registry) + code]
     else:
         argv = [
-            str(CLIENT),
+            str(src / "gpuhost" / "gpu-lease"),
             "--dir",
             str(registry.directory),
             "hold",
@@ -154,8 +161,8 @@ def test_a_users_leases_hold_against_root_and_roots_against_the_user(
             "echo 1; sleep 60",
         ]
     held = subprocess.Popen(
-        ["setpriv", f"--reuid={OTHER_USER}", f"--regid={OTHER_USER}", "--clear-groups", *argv],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [*setpriv(), *argv],
+        stdout=subprocess.PIPE, text=True, cwd=src, env={**os.environ, "PYTHONPATH": str(src)},
     )  # fmt: skip
     try:
         assert held.stdout is not None
@@ -191,8 +198,7 @@ def test_a_file_planted_under_roots_name_is_no_lease_and_root_replaces_it(
     }  # fmt: skip
     registry.path.unlink()
     subprocess.run(
-        ["setpriv", f"--reuid={OTHER_USER}", f"--regid={OTHER_USER}", "--clear-groups",
-         "sh", "-c", f"umask 022; cat > {registry.path}"],
+        [*setpriv(), "sh", "-c", f"umask 022; cat > {registry.path}"],
         input=json.dumps(forged), text=True, check=True,
     )  # fmt: skip
     fresh = LeaseRegistry(registry.directory)

@@ -7,11 +7,13 @@ import fcntl
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -39,6 +41,7 @@ from gpuhost.leases import (
     liveness_check,
 )
 from gpuhost.wait import wait_for
+from tests.other_user import PYTHON, readable_copy, setpriv
 
 ME = Holder.process(os.getpid())
 
@@ -696,22 +699,23 @@ def held_by(registry: LeaseRegistry, gpu: GpuDevice) -> list[str]:
     return [lease.sandbox_id for lease in registry.leases() if lease.gpu_uuid == gpu.uuid]
 
 
-HIDEPID_USER = "65534"
-"""An unprivileged user that holds nothing: it looks at root's holder through hidepid."""
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a /proc of its own, another user")
 @pytest.mark.parametrize("client", ["python", "sh"])
-def test_a_holder_hidden_by_hidepid_is_alive(tmp_path: Path, client: str) -> None:
-    """Under hidepid=invisible another user's live holder is alive, not gone (a second grant)."""
+def test_a_holder_hidden_by_hidepid_is_alive(client: str) -> None:
+    """Under hidepid=invisible another user's live holder is alive, not gone (a second grant).
+
+    The other user holds nothing: it looks at root's holder through hidepid.
+    """
     holder = subprocess.Popen(["sleep", "60"])
+    base = Path(tempfile.mkdtemp(prefix="gpu-hidepid-"))
     try:
+        src = readable_copy(base)
         ref = f"{ownership.boot_id()}:{holder.pid}:{ownership.process_start_time(holder.pid)}"
         if client == "python":
-            check = [sys.executable, "-c", f"from gpuhost.leases import _process_alive, Holder; "
+            check = [PYTHON, "-c", f"from gpuhost.leases import _process_alive, Holder; "
                      f"print(_process_alive(Holder('process', {ref!r})))"]  # fmt: skip
         else:
-            script = Path(__file__).parent.parent / "gpuhost" / "gpu-lease"
+            script = src / "gpuhost" / "gpu-lease"
             functions = script.read_text().split("\nprocess_alive() {", 1)[1].split("\n}\n")[0]
             check = ["sh", "-c", f'boot=$(cat /proc/sys/kernel/random/boot_id)\n'
                      f"process_alive() {{{functions}\n}}\n"
@@ -719,15 +723,15 @@ def test_a_holder_hidden_by_hidepid_is_alive(tmp_path: Path, client: str) -> Non
         seen = subprocess.run(
             ["unshare", "--mount", "--propagation=private", "sh", "-c",
              'mount -t proc -o hidepid=invisible proc /proc && exec "$@"', "sh",
-             "setpriv", f"--reuid={HIDEPID_USER}", f"--regid={HIDEPID_USER}", "--clear-groups",
-             "--", *check],
-            capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+             *setpriv(), "--", *check],
+            capture_output=True, text=True, check=False, cwd=src,
+            env={**os.environ, "PYTHONPATH": str(src)},
         )  # fmt: skip
         assert seen.stdout.strip() == "True", seen
     finally:
         holder.kill()
         holder.wait()
+        shutil.rmtree(base)
 
 
 @pytest.mark.parametrize("engine", ["docker", "podman"])
