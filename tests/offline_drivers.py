@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from drivers.base import Driver, Launch
+from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.kubernetes import KubernetesDriver
 from drivers.podman import PodmanDriver
@@ -54,14 +55,26 @@ class OfflineVm(Offline, VmDriver):
     pass
 
 
-class OfflineDocker(Offline, DockerDriver):
+class OfflineEngine(Offline, ContainerDriver):
+    """A container driver that asks no engine.
+
+    Its CDI specs are the host's, and it has no containers (``start`` never makes one), so a
+    failed start gives its GPUs back.
+    """
+
     def cdi_spec_dirs(self) -> tuple[Path, ...]:
         return _spec_dirs(self.host)
 
+    def session_containers(self, session_id: str) -> dict[str, str]:
+        return {}
 
-class OfflinePodman(Offline, PodmanDriver):
-    def cdi_spec_dirs(self) -> tuple[Path, ...]:
-        return _spec_dirs(self.host)
+
+class OfflineDocker(OfflineEngine, DockerDriver):
+    pass
+
+
+class OfflinePodman(OfflineEngine, PodmanDriver):
+    pass
 
 
 class OfflineKubernetes(Offline, KubernetesDriver):
