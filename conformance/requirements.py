@@ -15,7 +15,6 @@ the value (``shown``).
 from __future__ import annotations
 
 import functools
-import math
 import re
 import reprlib
 from collections.abc import Collection, Hashable, Mapping
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from gpuhost.errors import digits
 
 REQUIREMENTS_FILE = Path(__file__).with_name("REQUIREMENTS.yaml")
 
@@ -332,10 +333,4 @@ def member(where: str, key: object) -> str:
 
 def _digits(number: int) -> str:
     """``an integer of N digits``, counted without writing it out."""
-    size = abs(number)
-    digits = int(math.log10(size)) + 1
-    if size >= 10**digits:
-        digits += 1
-    elif size < 10 ** (digits - 1):
-        digits -= 1
-    return f"{'a negative' if number < 0 else 'an'} integer of {digits} digits"
+    return f"{'a negative' if number < 0 else 'an'} integer of {digits(number)} digits"

@@ -60,7 +60,7 @@ _SPEC_KEYS = frozenset({"resource_requirements", "template"})
 _TEMPLATE_KEYS = frozenset({"image", "env", "driver_config"})
 _MOVED_INTO_TEMPLATE = ("driver_config", "image", "env")
 """Top-level keys of the shape before seed 003, refused with where they went."""
-_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
 """What no process's environment can hold: NUL ends a C string, UTF-8 has no lone surrogate."""
 _GPU_KEYS = frozenset({"count", "sharing"})
 _SUPERSEDED_GPU_KEYS = ("device_ids", "device_id", "gpu_device_ids")
@@ -376,7 +376,7 @@ def _parse_env(env: object) -> dict[str, str]:
                 "hold no '='",
             )
         where = f"template.env.{name}"
-        if not isinstance(value, str) or _NOT_TEXT.search(value):
+        if not isinstance(value, str) or NOT_TEXT.search(value):
             raise InvalidGpuRequest(
                 where,
                 value,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.requirements import ID, InvalidFile, listed, member, read_yaml, shown
+from gpuhost.spec import NOT_TEXT
 
 MANIFEST = Path(__file__).parent / "manifest.yaml"
 PAYLOADS = Path(__file__).parent / "payloads"
@@ -237,7 +238,7 @@ def _strings(entry: _Entry, key: str) -> tuple[str, ...]:
     if key == "command" and key in entry.raw and not value:
         raise entry.invalid(key, "must not be empty")
     for index, item in enumerate(value):
-        if "\0" in item or not _encodable(item):
+        if NOT_TEXT.search(item):
             raise InvalidValue(
                 entry.source,
                 f"{entry.where}.{key}[{index}]",
@@ -245,14 +246,6 @@ def _strings(entry: _Entry, key: str) -> tuple[str, ...]:
                 f"must be text without a NUL byte or a lone surrogate, got {shown(item)}",
             )
     return tuple(value)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _image(entry: _Entry) -> str | None:
