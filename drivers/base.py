@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -33,18 +34,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar
+from typing import ClassVar, final
 
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
+    ExecTimeout,
     GpuCountMismatch,
+    SandboxExecError,
     UnknownGpuDevice,
     UnsupportedGpuRequest,
     shown,
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
+from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
 from gpuhost.spec import (
     DriverCapabilities,
     DriverRequest,
@@ -99,11 +103,116 @@ class ExecResult:
         return self
 
 
+class CommandTimedOut(Exception):
+    """Raised by ``Sandbox.run`` once it has killed everything a command started at its timeout.
+
+    The contract turns it into ``ExecTimeout``, the one error a caller sees.
+    """
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command the contract hands ``Sandbox.run``: checked, with its own marker."""
+
+    argv: tuple[str, ...]
+    timeout: float
+    """Seconds it may run, a positive number: at this timeout everything it started is killed."""
+    marker: str
+    """The value of ``EXEC_MARKER_ENV`` for this command alone."""
+
+    @classmethod
+    def of(cls, argv: Sequence[str], timeout: float) -> Command:
+        """A command for ``argv`` and ``timeout``, checked, with a fresh marker."""
+        return cls(check_argv(argv), check_timeout(timeout), exec_marker()[0])
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the command's environment adds to the sandbox's own: the marker.
+
+        Every process the command starts inherits it, setsid or not: how a timeout finds them.
+        """
+        return {EXEC_MARKER_ENV: self.marker}
+
+    @property
+    def needle(self) -> bytes:
+        """``KEY=value`` as it appears in /proc/<pid>/environ of the processes it started."""
+        return f"{EXEC_MARKER_ENV}={self.marker}".encode()
+
+
+class Output:
+    """Where a command's output goes: two file descriptors, or kept for an ``ExecResult``.
+
+    To descriptors as it comes for ``exec_stream``; kept for ``exec``.
+    ``Sandbox.run`` hands ``fds`` to the command's process when it can; otherwise it passes
+    the output on through ``stdout`` and ``stderr`` as it receives it, in any number of parts.
+    """
+
+    def __init__(self, stdout_fd: int | None = None, stderr_fd: int | None = None) -> None:
+        self.fds = None if stdout_fd is None or stderr_fd is None else (stdout_fd, stderr_fd)
+        self._kept: tuple[list[bytes], list[bytes]] = ([], [])
+
+    def stdout(self, data: bytes) -> None:
+        self._write(0, data)
+
+    def stderr(self, data: bytes) -> None:
+        self._write(1, data)
+
+    def _write(self, stream: int, data: bytes) -> None:
+        if self.fds is None:
+            self._kept[stream].append(data)
+        else:
+            write_all(self.fds[stream], data)
+
+    def kept(self) -> tuple[bytes, bytes]:
+        """What was kept of stdout and stderr (nothing when it went to descriptors)."""
+        return b"".join(self._kept[0]), b"".join(self._kept[1])
+
+
+def check_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    """``argv`` as a tuple, when it names a program to run; SandboxExecError naming it otherwise.
+
+    A list of strings without NUL characters, whose first names a program: not empty, and
+    without '=' (which ``env``, and so every driver that runs commands through it, reads as a
+    variable to set).
+    """
+    if (
+        isinstance(argv, (str, bytes))
+        or not isinstance(argv, Sequence)
+        or not argv
+        or not all(isinstance(arg, str) and "\0" not in arg for arg in argv)
+        or not argv[0]
+        or "=" in argv[0]
+    ):
+        raise SandboxExecError(
+            f"argv must be a list of strings without NUL characters whose first names a "
+            f"program to run (not empty, no '='), got {shown(argv)}"
+        )
+    return tuple(argv)
+
+
+def check_timeout(timeout: float) -> float:
+    """``timeout`` in seconds, when it is a positive number; SandboxExecError otherwise."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise SandboxExecError(
+            f"timeout must be a positive number of seconds, got {shown(timeout)}"
+        )
+    return float(timeout)
+
+
 class Sandbox(ABC):
     """A running sandbox; a context manager that closes it.
 
     ``gpus`` are the GPUs the driver says it assigned, in host PCI order; ``holder`` is what
-    keeps their leases alive while the sandbox lives (its process, its container).
+    keeps their leases alive while the sandbox lives (its process, its container). A driver
+    constructs it in ``Driver.start`` with ``launch.sandbox_id``, ``launch.gpus``, that holder
+    (``Holder.process(pid)`` for a process) and ``host.leases``, the registry ``close``
+    releases them from; it implements ``run``, ``stop`` and ``kill``, and ``running`` where it
+    can tell cheaply.
     """
 
     def __init__(
@@ -122,14 +231,25 @@ class Sandbox(ABC):
         self._leases = leases
         self._close_lock = threading.Lock()
 
-    @abstractmethod
+    @final
     def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         """Run ``argv`` inside the sandbox and wait for it.
 
         A non-zero exit is a result, not an error; ``ExecTimeout`` is raised when the command
-        outlives ``timeout`` (it is killed), ``SandboxExecError`` when it cannot be run.
+        outlives ``timeout`` (it is killed, with everything it started), ``SandboxExecError``
+        when it cannot be run. Output is decoded as UTF-8, bytes that are not replaced.
         """
+        output = Output()
+        returncode = self._exec(argv, timeout, output)
+        stdout, stderr = output.kept()
+        return ExecResult(
+            tuple(argv),
+            returncode,
+            stdout.decode(errors="replace"),
+            stderr.decode(errors="replace"),
+        )
 
+    @final
     def exec_stream(
         self,
         argv: Sequence[str],
@@ -140,14 +260,56 @@ class Sandbox(ABC):
         """Run ``argv`` inside the sandbox, its output going to ``stdout`` and ``stderr``.
 
         Those are file descriptors; it returns the command's exit code, and fails as ``exec``
-        does. This default runs ``exec`` and writes the output once the command has ended (decoded
-        and encoded again as UTF-8). A driver that can pass output through as the command
-        writes it overrides it (``gpu-sandbox run`` streams through it).
+        does. The output passes through as the driver receives it (``gpu-sandbox run``
+        streams through it).
         """
-        result = self.exec(argv, timeout)
-        write_all(stdout, result.stdout.encode())
-        write_all(stderr, result.stderr.encode())
-        return result.returncode
+        return self._exec(argv, timeout, Output(stdout, stderr))
+
+    def _exec(self, argv: Sequence[str], timeout: float, output: Output) -> int:
+        command = Command.of(argv, timeout)
+        self._check_running(command)
+        try:
+            returncode = self.run(command, output)
+        except CommandTimedOut:
+            raise ExecTimeout(command.argv, command.timeout) from None
+        except SandboxExecError as exc:
+            self._check_running(command, exc)
+            raise
+        if returncode != 0:
+            self._check_running(command)  # a sandbox that died meanwhile is an error, not a result
+        return returncode
+
+    def _check_running(self, command: Command, cause: BaseException | None = None) -> None:
+        if self.closed or not self.running():
+            state = "closed" if self.closed else "not running"
+            raise SandboxExecError(
+                f"sandbox {self.id} is {state}; cannot run {shown(list(command.argv))}"
+            ) from cause
+
+    @abstractmethod
+    def run(self, command: Command, output: Output) -> int:
+        """Run ``command`` inside the sandbox and return its exit code: each driver's own way.
+
+        The contract has checked the argv and the timeout, and that the sandbox runs; it builds
+        the result and raises the errors callers see. This hook:
+
+        - runs ``command.argv`` in the sandbox's pid namespace (the same one for every
+          command), with the sandbox's environment and ``command.env`` over it, no stdin;
+        - gives its output to ``output`` (``output.fds`` to the process, or
+          ``output.stdout(data)`` and ``output.stderr(data)`` as it comes);
+        - at ``command.timeout`` kills every process of the sandbox whose environment holds
+          ``command.needle`` (the command and whatever it started, setsid or not), then raises
+          ``CommandTimedOut``;
+        - raises ``SandboxExecError`` when the command cannot be run.
+        """
+
+    def running(self) -> bool:
+        """Whether the sandbox still runs, where that can be told without a round trip.
+
+        The contract asks before each command and after one that failed, so that a command in
+        a sandbox that died is an error, not a result. True by default.
+        """
+        return True
 
     def close(self) -> None:
         """Stop the sandbox and release its GPUs; calling it again does nothing.

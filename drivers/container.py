@@ -27,24 +27,24 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from drivers.base import (
-    DEFAULT_EXEC_TIMEOUT_S,
     Availability,
+    Command,
+    CommandTimedOut,
     Driver,
-    ExecResult,
     Launch,
+    Output,
     Sandbox,
     write_all,
 )
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, DeviceNode, GpuDevice
 from gpuhost.errors import (
-    ExecTimeout,
     SandboxExecError,
     SandboxStartError,
     UnknownImage,
 )
 from gpuhost.leases import Holder, LeaseRegistry
-from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked
+from gpuhost.procfs import kill_marked
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
@@ -97,7 +97,6 @@ class ExecOutput:
 
 
 Client = TypeVar("Client")
-Result = TypeVar("Result")
 
 
 def client_cache(make: Callable[[str, int], Client]) -> Callable[[str, int], Client]:
@@ -572,54 +571,31 @@ class ContainerSandbox(Sandbox):
         self._keepalive = keepalive
         self._engine = engine
 
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        output = self._run(
-            argv, timeout, lambda env: self._engine.exec_in(self.container_id, argv, env)
-        )
-        return ExecResult(
-            tuple(argv),
-            output.returncode,
-            output.stdout.decode(errors="replace"),
-            output.stderr.decode(errors="replace"),
-        )
-
-    def exec_stream(
-        self,
-        argv: Sequence[str],
-        stdout: int,
-        stderr: int,
-        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
-    ) -> int:
-        return self._run(
-            argv,
-            timeout,
-            lambda env: self._engine.exec_stream_in(self.container_id, argv, env, stdout, stderr),
-        )
-
-    def _run(
-        self, argv: Sequence[str], timeout: float, execute: Callable[[Mapping[str, str]], Result]
-    ) -> Result:
-        """``execute`` with the exec's environment, killing what it started at ``timeout``."""
-        if not argv:
-            raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
-        if self.closed:
-            raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
-        marker, needle = exec_marker()
-        timer = _Timeout(timeout, needle)
+    def run(self, command: Command, output: Output) -> int:
+        # Engines have no call to stop an exec: at the timeout the timer kills what it started.
+        timer = _Timeout(command.timeout, command.needle)
         timer.start()
         try:
-            output = execute({EXEC_MARKER_ENV: marker})
+            if output.fds is None:
+                done = self._engine.exec_in(self.container_id, command.argv, command.env)
+                output.stdout(done.stdout)
+                output.stderr(done.stderr)
+                returncode = done.returncode
+            else:
+                returncode = self._engine.exec_stream_in(
+                    self.container_id, command.argv, command.env, *output.fds
+                )
         except EngineError as exc:
             if timer.fired:
-                raise ExecTimeout(argv, timeout) from exc
+                raise CommandTimedOut from exc
             raise SandboxExecError(
-                f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
+                f"cannot run {list(command.argv)!r} in sandbox {self.id}: {exc}"
             ) from exc
         finally:
             timer.cancel()
         if timer.fired:
-            raise ExecTimeout(argv, timeout)
-        return output
+            raise CommandTimedOut
+        return returncode
 
     def stop(self) -> None:
         self._keepalive.close()

@@ -62,13 +62,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import yaml
 
 from drivers.base import (
-    DEFAULT_EXEC_TIMEOUT_S,
     Availability,
+    Command,
+    CommandTimedOut,
     Driver,
-    ExecResult,
     Launch,
+    Output,
     Sandbox,
-    write_all,
 )
 from gpuhost.devices import GpuDevice, gpus_from_json
 from gpuhost.errors import (
@@ -84,7 +84,7 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
-from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
+from gpuhost.procfs import EXEC_MARKER_ENV
 from gpuhost.spec import (
     DriverCapabilities,
     DriverRequest,
@@ -316,33 +316,8 @@ class KubernetesSandbox(Sandbox):
         self.pod_name = pod_name
         self._driver = driver
 
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        stdout: list[bytes] = []
-        stderr: list[bytes] = []
-        returncode = self._driver.exec_in(
-            self.pod_name, argv, timeout, stdout.append, stderr.append
-        )
-        return ExecResult(
-            tuple(argv),
-            returncode,
-            b"".join(stdout).decode(errors="replace"),
-            b"".join(stderr).decode(errors="replace"),
-        )
-
-    def exec_stream(
-        self,
-        argv: Sequence[str],
-        stdout: int,
-        stderr: int,
-        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
-    ) -> int:
-        return self._driver.exec_in(
-            self.pod_name,
-            argv,
-            timeout,
-            lambda data: write_all(stdout, data),
-            lambda data: write_all(stderr, data),
-        )
+    def run(self, command: Command, output: Output) -> int:
+        return self._driver.exec_in(self.pod_name, command, output.stdout, output.stderr)
 
     def stop(self) -> None:
         self._driver.delete_pods([self.pod_name])
@@ -1055,7 +1030,10 @@ class KubernetesDriver(Driver):
             return uuids
         # Another device plugin strategy (volume mounts, CDI): ask nvidia-smi inside.
         out: list[bytes] = []
-        self.exec_in(name, ["nvidia-smi", "-L"], 60.0, out.append, _ignore)
+        try:
+            self.exec_in(name, Command.of(["nvidia-smi", "-L"], 60.0), out.append, _ignore)
+        except CommandTimedOut:
+            raise ExecTimeout(["nvidia-smi", "-L"], 60.0) from None
         text = b"".join(out).decode()
         return [
             line.split("UUID: ")[1].rstrip(")").strip()
@@ -1092,8 +1070,9 @@ class KubernetesDriver(Driver):
 
         What is left is a pod whose processes are all gone, Failed once the kubelet sees it.
         """
-        with contextlib.suppress(SandboxExecError):  # a pod already ended has none
-            self.exec_in(pod_name, ["sh", "-c", "kill -9 -1"], 30.0, _ignore, _ignore)
+        kill = Command.of(["sh", "-c", "kill -9 -1"], 30.0)
+        with contextlib.suppress(SandboxExecError, CommandTimedOut):  # an ended pod has none
+            self.exec_in(pod_name, kill, _ignore, _ignore)
 
     def delete_pods(self, names: Sequence[str]) -> None:
         """End pods' processes, delete them, and return once the API server no longer has them.
@@ -1139,35 +1118,27 @@ class KubernetesDriver(Driver):
     def exec_in(
         self,
         pod_name: str,
-        argv: Sequence[str],
-        timeout: float,
+        command: Command,
         on_stdout: Callable[[bytes], None],
         on_stderr: Callable[[bytes], None],
     ) -> int:
-        """Run ``argv`` in the pod through the API's exec stream; its exit code.
+        """Run ``command`` in the pod through the API's exec stream; its exit code.
 
-        At ``timeout`` every process the command started (those carrying its marker) is
-        killed from a second exec, and ``ExecTimeout`` raised.
+        At its timeout every process it started (those carrying its marker) is killed from a
+        second exec, and ``CommandTimedOut`` raised.
         """
-        if not argv:
-            raise SandboxExecError(f"argv must name a program to run, got {list(argv)!r}")
-        marker, needle = exec_marker()
+        argv = command.argv
         # The marker set by the image's shell, which reports a missing program as "not found".
-        command = [
-            "sh",
-            "-c",
-            f'{EXEC_MARKER_ENV}={marker}; export {EXEC_MARKER_ENV}; exec "$@"',
-            "sh",
-            *argv,
-        ]
-        socket = self._open_exec(pod_name, command, argv)
-        deadline = time.monotonic() + timeout
+        marker = f'{EXEC_MARKER_ENV}={command.marker}; export {EXEC_MARKER_ENV}; exec "$@"'
+        wrapped = ["sh", "-c", marker, "sh", *argv]
+        socket = self._open_exec(pod_name, wrapped, argv)
+        deadline = time.monotonic() + command.timeout
         try:
             while socket.is_open():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._kill_marked(pod_name, needle.decode())
-                    raise ExecTimeout(argv, timeout)
+                    self._kill_marked(pod_name, command.needle.decode())
+                    raise CommandTimedOut
                 socket.update(timeout=min(left, 1.0))
                 self._drain(socket, on_stdout, on_stderr)
             self._drain(socket, on_stdout, on_stderr)

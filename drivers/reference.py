@@ -37,15 +37,16 @@ from pathlib import Path
 from typing import ClassVar
 
 from drivers.base import (
-    DEFAULT_EXEC_TIMEOUT_S,
     Availability,
+    Command,
+    CommandTimedOut,
     Driver,
-    ExecResult,
     Launch,
+    Output,
     Sandbox,
 )
 from gpuhost.devices import DeviceNode, GpuDevice
-from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
+from gpuhost.errors import SandboxExecError, SandboxStartError
 from gpuhost.leases import (
     PROCESS,
     Holder,
@@ -54,7 +55,7 @@ from gpuhost.leases import (
     process_running,
     process_start_time,
 )
-from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker, kill_if, kill_marked
+from gpuhost.procfs import each_process, kill_if, kill_marked
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
@@ -414,32 +415,7 @@ class ReferenceSandbox(Sandbox):
         """The host pid of the sandbox's bwrap process."""
         return self._process.pid
 
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        returncode, stdout, stderr = self._run(argv, subprocess.PIPE, subprocess.PIPE, timeout)
-        return ExecResult(
-            tuple(argv),
-            returncode,
-            stdout.decode(errors="replace"),
-            stderr.decode(errors="replace"),
-        )
-
-    def exec_stream(
-        self,
-        argv: Sequence[str],
-        stdout: int,
-        stderr: int,
-        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
-    ) -> int:
-        # The command writes to the descriptors itself: output passes through as it comes.
-        return self._run(argv, stdout, stderr, timeout)[0]
-
-    def _run(
-        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
-    ) -> tuple[int, bytes, bytes]:
-        """Run ``argv`` inside, its output to ``stdout`` and ``stderr`` (``PIPE``: returned)."""
-        if not argv or "=" in argv[0]:
-            raise SandboxExecError(f"argv must start with a program to run, got {list(argv)!r}")
-        self._check_running(argv)
+    def run(self, command: Command, output: Output) -> int:
         # Each command runs in the sandbox's pid namespace, as `docker exec` does. Not in one
         # of its own: on a real GPU (H100, driver 580) CUDA fails with error 304 in a nested
         # pid namespace once any CUDA process has run in the sandbox. A timeout finds what
@@ -449,24 +425,23 @@ class ReferenceSandbox(Sandbox):
         # not given. nsenter itself runs with the host's fixed environment, never the user's
         # (an LD_PRELOAD there would run in the host's namespaces as the host user), and as
         # the sandbox's host user, whose credentials it keeps inside (never root's).
-        marker, needle = exec_marker()
-        env = {**self._env, EXEC_MARKER_ENV: marker}
+        env = {**self._env, **command.env}
         enter = [tool("nsenter"), f"--target={self._child_pid}", *NAMESPACES, "--root", "--wd"]
         userns = -1
         if os.geteuid() != 0:  # the sandbox's user namespace, which its user owns
             try:
                 userns = _sandbox_userns(self._child_pid)
             except OSError as exc:
-                self._check_running(argv)
                 raise SandboxExecError(f"cannot enter sandbox {self.id}: {exc}") from exc
             enter += [f"--user=/proc/self/fd/{userns}", "--preserve-credentials"]
-        command = [
+        argv = [
             *enter, "setpriv", *self._as_sandbox_user, *self.exec_privileges, "--",
-            "env", "-i", *(f"{key}={value}" for key, value in env.items()), *argv,
+            "env", "-i", *(f"{key}={value}" for key, value in env.items()), *command.argv,
         ]  # fmt: skip
+        stdout, stderr = output.fds or (subprocess.PIPE, subprocess.PIPE)
         try:
             process = subprocess.Popen(
-                command,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
@@ -476,36 +451,36 @@ class ReferenceSandbox(Sandbox):
             )
         except OSError as exc:
             raise SandboxExecError(
-                f"cannot run {list(argv)!r} in sandbox {self.id}: {exc}"
+                f"cannot run {list(command.argv)!r} in sandbox {self.id}: {exc}"
             ) from exc
         finally:
             if userns >= 0:
                 os.close(userns)
         try:
-            output, errors = process.communicate(timeout=timeout)
+            out, err = process.communicate(timeout=command.timeout)
         except BaseException as exc:
             # The group holds nsenter; the marker finds the rest, wherever it went.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            kill_marked(needle)
+            kill_marked(command.needle)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.communicate(timeout=KILL_TIMEOUT_S)
             stop_process(process)
             if isinstance(exc, subprocess.TimeoutExpired):
-                raise ExecTimeout(argv, timeout) from None
+                raise CommandTimedOut from None
             raise
-        if process.returncode != 0:
-            self._check_running(argv)  # a sandbox that died meanwhile is an error, not a result
-        return process.returncode, output or b"", errors or b""
+        if output.fds is None:
+            output.stdout(out)
+            output.stderr(err)
+        return process.returncode
 
-    def _check_running(self, argv: Sequence[str]) -> None:
+    def running(self) -> bool:
         # The start time guards against entering an unrelated process that reused the pid.
         try:
             alive = process_start_time(self._child_pid) == self._child_start
         except OSError:
             alive = False
-        if self.closed or self._process.poll() is not None or not alive:
-            raise SandboxExecError(f"sandbox {self.id} is not running; cannot run {list(argv)!r}")
+        return self._process.poll() is None and alive
 
     def stop(self) -> None:
         # Closing its stdin ends the init, and the sandbox with it; then kill what is left.

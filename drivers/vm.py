@@ -71,10 +71,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, Driver, ExecResult, Launch, Sandbox
+from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
 from gpuhost.devices import GpuDevice, normalize_pci_bus_id
 from gpuhost.errors import (
-    ExecTimeout,
     GpuBusy,
     GpusExhausted,
     SandboxExecError,
@@ -85,7 +84,7 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, LeaseRegistry, boot_id
-from gpuhost.procfs import EXEC_MARKER_ENV, each_process, exec_marker
+from gpuhost.procfs import each_process
 from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.simulated.pci_proxy import GpuFunction, GpuFunctionBusy
 from gpuhost.spawn import spawn, stop_process
@@ -765,14 +764,12 @@ class VmSandbox(Sandbox):
         """The QEMU process, the holder of the VM's GPU leases."""
         return self.process.pid
 
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        if not argv or "=" in argv[0]:
-            raise SandboxExecError(f"argv must start with a program to run, got {list(argv)!r}")
+    def run(self, command: Command, output: Output) -> int:
         with self._exec_lock:
-            self._check_running(argv)
-            marker, _ = exec_marker()
-            env = {**self._env, EXEC_MARKER_ENV: marker}
-            script = shlex.join(["exec", "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv])
+            env = {**self._env, **command.env}
+            script = shlex.join(
+                ["exec", "env", "-i", *(f"{k}={v}" for k, v in env.items()), *command.argv]
+            )
             self._requests += 1
             request = self._requests
             payload = base64.b64encode(script.encode()).decode()
@@ -780,40 +777,31 @@ class VmSandbox(Sandbox):
             try:
                 self._channel.send(f"exec {request} {payload}\n".encode())
                 try:
-                    header = self._channel.read_line(time.monotonic() + timeout, alive)
+                    header = self._channel.read_line(time.monotonic() + command.timeout, alive)
                     timed_out = False
                 except TimeoutError:
                     # The agent kills every process carrying the marker, setsid or not;
                     # the command then ends and its answer comes.
-                    self._control.send(f"kill {marker}\n".encode())
+                    self._control.send(f"kill {command.marker}\n".encode())
                     header = self._channel.read_line(time.monotonic() + AGENT_KILL_TIMEOUT_S, alive)
                     timed_out = True
                 verb, answered, returncode, out, err = header.decode().split()
                 if (verb, answered) != ("done", str(request)):
                     raise SandboxExecError(f"the agent of VM {self.id} answered {header!r}")
                 deadline = time.monotonic() + TRANSFER_TIMEOUT_S
-                stdout = self._channel.read_exactly(int(out), deadline, alive)
-                stderr = self._channel.read_exactly(int(err), deadline, alive)
+                output.stdout(self._channel.read_exactly(int(out), deadline, alive))
+                output.stderr(self._channel.read_exactly(int(err), deadline, alive))
             except (OSError, EOFError, TimeoutError, ValueError) as exc:
-                self._check_running(argv)
                 raise SandboxExecError(
-                    f"cannot run {list(argv)!r} in VM {self.id}: {type(exc).__name__}: {exc}"
+                    f"cannot run {list(command.argv)!r} in VM {self.id}: "
+                    f"{type(exc).__name__}: {exc}"
                 ) from exc
         if timed_out:
-            raise ExecTimeout(argv, timeout)
-        return ExecResult(
-            tuple(argv),
-            int(returncode),
-            stdout.decode(errors="replace"),
-            stderr.decode(errors="replace"),
-        )
+            raise CommandTimedOut
+        return int(returncode)
 
     def running(self) -> bool:
         return self.process.poll() is None
-
-    def _check_running(self, argv: Sequence[str]) -> None:
-        if self.closed or not self.running():
-            raise SandboxExecError(f"VM {self.id} is not running; cannot run {list(argv)!r}")
 
     def stop(self) -> None:
         # The guest keeps nothing: its root is the initramfs. Killing QEMU is its poweroff.

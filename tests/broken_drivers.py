@@ -13,26 +13,23 @@ import itertools
 import os
 import signal
 import stat
-import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 from drivers import reference
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, ExecResult, Launch, Sandbox
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, Launch, Output, Sandbox
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.devices import SIMULATED_DRM_MAJOR, GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
-    ExecTimeout,
     GpusExhausted,
     InvalidDriverConfig,
     InvalidGpuCount,
-    SandboxExecError,
 )
 from gpuhost.host import GpuHost
 from gpuhost.leasefile import parse
@@ -429,10 +426,26 @@ class ReapDoesNothing(BrokenDriver):
         return []
 
 
+def _rewritten(
+    run: Callable[[Command, Output], int],
+    command: Command,
+    output: Output,
+    stdout: Callable[[bytes], bytes],
+    stderr: Callable[[bytes], bytes] = bytes,
+) -> int:
+    """``run`` whose whole output, once the command ended, is rewritten on its way out."""
+    kept = Output()
+    returncode = run(command, kept)
+    out, err = kept.kept()
+    output.stdout(stdout(out))
+    output.stderr(stderr(err))
+    return returncode
+
+
 class _LyingSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        result = super().exec(argv, timeout)
-        return dataclasses.replace(result, returncode=0)
+    def run(self, command: Command, output: Output) -> int:
+        super().run(command, output)
+        return 0
 
 
 class ExecHidesExitCode(BrokenDriver):
@@ -605,9 +618,8 @@ class NodeByIndex(BrokenDriver):
 
 
 class _TruncatingSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        result = super().exec(argv, timeout)
-        return dataclasses.replace(result, stdout=result.stdout[:65536])
+    def run(self, command: Command, output: Output) -> int:
+        return _rewritten(super().run, command, output, lambda out: out[:65536])
 
 
 class ExecTruncatesOutput(BrokenDriver):
@@ -856,17 +868,19 @@ class LeaseFileInside(BrokenDriver):
 
 
 class _IdleTimeoutSandbox(ReferenceSandbox):
-    def _run(
-        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
-    ) -> tuple[int, bytes, bytes]:
-        if stdout != subprocess.PIPE or stderr != subprocess.PIPE:
-            return super()._run(argv, stdout, stderr, timeout)
+    def run(self, command: Command, output: Output) -> int:
+        if output.fds is not None:
+            return super().run(command, output)
         # The command under a shell in the sandbox that kills it after `timeout` of silence.
-        watched = ["sh", "-c", _IDLE_WATCH, "sh", str(max(1, round(timeout))), *argv]
-        returncode, out, err = super()._run(watched, stdout, stderr, DEFAULT_EXEC_TIMEOUT_S)
+        silence = str(max(1, round(command.timeout)))
+        watched = ["sh", "-c", _IDLE_WATCH, "sh", silence, *command.argv]
+        returncode = super().run(
+            dataclasses.replace(command, argv=tuple(watched), timeout=DEFAULT_EXEC_TIMEOUT_S),
+            output,
+        )
         if returncode == _SILENT_TOO_LONG:
-            raise ExecTimeout(argv, timeout)
-        return returncode, out, err
+            raise CommandTimedOut
+        return returncode
 
 
 _SILENT_TOO_LONG = 231
@@ -890,13 +904,11 @@ class ExecIdleTimeout(BrokenDriver):
 
 
 class _TextModeSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        result = super().exec(argv, timeout)
+    def run(self, command: Command, output: Output) -> int:
+        def text(out: bytes) -> bytes:  # what subprocess.run(text=True) does: universal newlines
+            return out.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
-        def text(out: str) -> str:  # what subprocess.run(text=True) does: universal newlines
-            return out.replace("\r\n", "\n").replace("\r", "\n")
-
-        return dataclasses.replace(result, stdout=text(result.stdout), stderr=text(result.stderr))
+        return _rewritten(super().run, command, output, text, text)
 
 
 class ExecUniversalNewlines(BrokenDriver):
@@ -1041,11 +1053,10 @@ class MigProfilePrefix(BrokenDriver):
 
 
 class _SignalStyleSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        result = super().exec(argv, timeout)
-        if result.returncode > 128:  # "128 + N: killed by signal N", as Python reports it
-            result = dataclasses.replace(result, returncode=128 - result.returncode)
-        return result
+    def run(self, command: Command, output: Output) -> int:
+        returncode = super().run(command, output)
+        # "128 + N: killed by signal N", as Python reports it
+        return 128 - returncode if returncode > 128 else returncode
 
 
 class ExecSignalStyleExitCodes(BrokenDriver):
@@ -1056,11 +1067,10 @@ class ExecSignalStyleExitCodes(BrokenDriver):
 
 
 class _WholeSecondsSandbox(ReferenceSandbox):
-    def _run(
-        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
-    ) -> tuple[int, bytes, bytes]:
-        seconds = int(timeout)  # as timeout(1) takes it, where 0 means none
-        return super()._run(argv, stdout, stderr, seconds or DEFAULT_EXEC_TIMEOUT_S)
+    def run(self, command: Command, output: Output) -> int:
+        seconds = int(command.timeout)  # as timeout(1) takes it, where 0 means none
+        timeout = seconds or DEFAULT_EXEC_TIMEOUT_S
+        return super().run(dataclasses.replace(command, timeout=timeout), output)
 
 
 class ExecTimeoutWholeSeconds(BrokenDriver):
@@ -1071,14 +1081,12 @@ class ExecTimeoutWholeSeconds(BrokenDriver):
 
 
 class _FrameDecodingSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
-        returncode, out, err = self._run(argv, subprocess.PIPE, subprocess.PIPE, timeout)
-
-        def text(data: bytes) -> str:  # each 4 KiB frame decoded as it comes
+    def run(self, command: Command, output: Output) -> int:
+        def text(data: bytes) -> bytes:  # each 4 KiB frame decoded as it comes
             frames = (data[i : i + 4096] for i in range(0, len(data), 4096))
-            return "".join(frame.decode(errors="replace") for frame in frames)
+            return "".join(frame.decode(errors="replace") for frame in frames).encode()
 
-        return ExecResult(tuple(argv), returncode, text(out), text(err))
+        return _rewritten(super().run, command, output, text, text)
 
 
 class ExecDecodesPerFrame(BrokenDriver):
@@ -1298,14 +1306,10 @@ class HostEnvironmentLeaks(BrokenDriver):
 
 
 class _StreamWithoutTimeout(ReferenceSandbox):
-    def exec_stream(
-        self,
-        argv: Sequence[str],
-        stdout: int,
-        stderr: int,
-        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
-    ) -> int:
-        return self._run(argv, stdout, stderr, DEFAULT_EXEC_TIMEOUT_S)[0]
+    def run(self, command: Command, output: Output) -> int:
+        if output.fds is not None:
+            command = dataclasses.replace(command, timeout=DEFAULT_EXEC_TIMEOUT_S)
+        return super().run(command, output)
 
 
 class ExecStreamIgnoresTimeout(BrokenDriver):
@@ -1388,9 +1392,8 @@ class SpecEnvCannotOverrideDefaults(BrokenDriver):
 
 
 class _ClosedFlagOnlySandbox(ReferenceSandbox):
-    def _check_running(self, argv: Sequence[str]) -> None:
-        if self.closed:  # the flag is enough, no /proc read per exec
-            raise SandboxExecError(f"sandbox {self.id} is closed; cannot run {list(argv)!r}")
+    def running(self) -> bool:
+        return True  # the contract's closed flag is enough, no /proc read per exec
 
 
 class ExecSkipsLivenessCheck(BrokenDriver):
@@ -1618,11 +1621,9 @@ class MigProfileWithIntelVendor(BrokenDriver):
 
 
 class _TimeoutFloorSandbox(ReferenceSandbox):
-    def _run(
-        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
-    ) -> tuple[int, bytes, bytes]:
+    def run(self, command: Command, output: Output) -> int:
         # "nsenter takes a second to start under load": never less than 5 s.
-        return super()._run(argv, stdout, stderr, max(timeout, 5.0))
+        return super().run(dataclasses.replace(command, timeout=max(command.timeout, 5.0)), output)
 
 
 class ExecTimeoutFloor(BrokenDriver):
@@ -1633,12 +1634,10 @@ class ExecTimeoutFloor(BrokenDriver):
 
 
 class _KillsEverythingOnTimeout(ReferenceSandbox):
-    def _run(
-        self, argv: Sequence[str], stdout: int, stderr: int, timeout: float
-    ) -> tuple[int, bytes, bytes]:
+    def run(self, command: Command, output: Output) -> int:
         try:
-            return super()._run(argv, stdout, stderr, timeout)
-        except ExecTimeout:
+            return super().run(command, output)
+        except CommandTimedOut:
             # "Leave nothing of it behind": every process that any exec started.
             marked = f"{EXEC_MARKER_ENV}=".encode()
             for pid, environ in each_process("environ"):

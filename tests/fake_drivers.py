@@ -6,9 +6,9 @@ import contextlib
 import dataclasses
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Availability, ExecResult, Launch, Sandbox
+from drivers.base import Availability, Command, Launch, Output
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.errors import InvalidDriverConfig
 from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
@@ -35,7 +35,7 @@ class HangsInExec(ReferenceDriver):
 
 
 class _HangingSandbox(ReferenceSandbox):
-    def exec(self, argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+    def run(self, command: Command, output: Output) -> int:
         threading.Event().wait()
         raise AssertionError("unreachable")
 
@@ -51,26 +51,25 @@ class CountsOnlyDriver(ReferenceDriver):
 
 
 class OutputAtTheEnd(ReferenceDriver):
-    """A driver whose sandboxes keep the contract's default ``exec_stream``.
+    """A driver whose sandboxes give a command's output once it has ended, not as it comes.
 
-    As a driver written before it existed does: the output comes once the command ended.
+    As a driver that can only ask for the whole output does.
     """
 
     def start(self, launch: Launch) -> ReferenceSandbox:
         sandbox = super().start(launch)
-        sandbox.__class__ = _DefaultStreamSandbox
+        sandbox.__class__ = _OutputAtTheEndSandbox
         return sandbox
 
 
-class _DefaultStreamSandbox(ReferenceSandbox):
-    def exec_stream(
-        self,
-        argv: Sequence[str],
-        stdout: int,
-        stderr: int,
-        timeout: float = DEFAULT_EXEC_TIMEOUT_S,
-    ) -> int:
-        return Sandbox.exec_stream(self, argv, stdout, stderr, timeout)
+class _OutputAtTheEndSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        kept = Output()
+        returncode = super().run(command, kept)
+        out, err = kept.kept()
+        output.stdout(out)
+        output.stderr(err)
+        return returncode
 
 
 class WaitsForItsTurn(ReferenceDriver):

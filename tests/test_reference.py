@@ -52,7 +52,7 @@ def test_exec_after_close_or_kill_is_an_error(reference: ReferenceDriver) -> Non
     sandbox = reference.create(SandboxSpec())
     sandbox.close()
     sandbox.close()
-    with pytest.raises(SandboxExecError, match="not running"):
+    with pytest.raises(SandboxExecError, match="is closed"):
         sandbox.exec(["true"])
     killed = reference.create(SandboxSpec())
     assert isinstance(killed, ReferenceSandbox)
