@@ -23,8 +23,9 @@ import pytest
 from conformance.settings import Settings, settings_key
 from drivers.base import Driver, Sandbox
 from gpuhost.host import GpuHost
-from gpuhost.leases import lock_holders
+from gpuhost.leases import Lease, lock_holders
 from gpuhost.spec import SandboxSpec
+from gpuhost.wait import wait_for
 
 
 @pytest.fixture(scope="session")
@@ -103,11 +104,14 @@ def host_gpus(driver: Driver) -> tuple[str, ...]:
 
 
 @pytest.fixture(autouse=True)
-def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Skip when the host has too few GPUs; reap whatever the test left behind.
+def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[None]:
+    """Skip when the host has too few GPUs; after the test, leave nothing of it behind.
 
-    Reaping after each test keeps one broken test from failing every test after it, so
-    each failure points at the requirement that was broken.
+    Every sandbox the test created through this driver's class is closed, whatever the test
+    body did, and the session is reaped. Then nothing of the test may be left: a lease it
+    took, or a sandbox of the session. What is left fails this test (not the ones after
+    it, which would find the GPUs held) and is released, so that each failure points at the
+    requirement that was broken.
     """
     if "driver" not in request.fixturenames:
         yield
@@ -126,8 +130,68 @@ def _gpu_test(request: pytest.FixtureRequest) -> Iterator[None]:
     have = len(driver.inventory())
     if marker is not None and have < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
-    yield
-    driver.reap(driver.session_id)
+    before = {lease.sandbox_id for lease in driver.host.leases.leases()}
+    with _every_sandbox_created(type(driver)) as made:
+        yield
+    try:
+        _close(made)
+    finally:
+        driver.reap(driver.session_id)
+        _nothing_left(driver, before, settings.reclaim_timeout_s)
+
+
+@contextlib.contextmanager
+def _every_sandbox_created(cls: type[Driver]) -> Iterator[list[Sandbox]]:
+    """The sandboxes that drivers of ``cls`` create in this process meanwhile, any session."""
+    made: list[Sandbox] = []
+    create = cls.create
+
+    def recorded(self: Driver, spec: SandboxSpec) -> Sandbox:
+        sandbox = create(self, spec)
+        made.append(sandbox)
+        return sandbox
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cls, "create", recorded)
+        yield made
+
+
+def _close(made: list[Sandbox]) -> None:
+    """Close every sandbox still open, all at once (engines take a while each)."""
+    still_open = [sandbox for sandbox in made if not sandbox.closed]
+    with ThreadPoolExecutor(max(1, len(still_open))) as pool:
+        for closing in [pool.submit(sandbox.close) for sandbox in still_open]:
+            closing.result()
+
+
+def _nothing_left(driver: Driver, before: set[str], timeout_s: float) -> None:
+    """Fail the test that leaves a lease it took, or a sandbox of the session, once reaped.
+
+    A killed holder's leases go when the registry sees it dead, so this waits as long as
+    GPU-RECLAIM-01 allows before it judges; then it releases what is left.
+    """
+    __tracebackhide__ = True
+
+    def left() -> tuple[list[Lease], list[str]]:
+        leases = [lease for lease in driver.host.leases.leases() if lease.sandbox_id not in before]
+        return leases, driver.sandboxes(driver.session_id)
+
+    leases, sandboxes = left()
+    if not leases and not sandboxes:
+        return
+    with contextlib.suppress(TimeoutError):
+        wait_for(left, lambda found: not any(found), timeout_s=timeout_s, what="leftovers to go")
+    leases, sandboxes = left()
+    if not leases and not sandboxes:
+        return
+    for sandbox_id in {lease.sandbox_id for lease in leases}:
+        driver.host.leases.release(sandbox_id)
+    held = "; ".join(lease.describe() for lease in leases) or "none"
+    pytest.fail(
+        f"this test left behind, once its sandboxes were closed and session "
+        f"{driver.session_id} reaped: sandboxes {sandboxes or 'none'}; leases: {held}",
+        pytrace=False,
+    )
 
 
 def not_applicable(item: pytest.Item, why: str) -> NoReturn:
@@ -138,7 +202,10 @@ def not_applicable(item: pytest.Item, why: str) -> NoReturn:
 
 
 class SandboxFactory:
-    """Creates sandboxes for one test and closes whatever the test left open."""
+    """Creates sandboxes for one test and closes whatever the test left open.
+
+    (Any sandbox a test creates is closed after it, however made: this closes its own first.)
+    """
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
@@ -151,9 +218,7 @@ class SandboxFactory:
 
     def close_all(self) -> None:
         """Close every sandbox the test left open, all at once (engines take a while each)."""
-        with ThreadPoolExecutor(max(1, len(self.open))) as pool:
-            for closing in [pool.submit(sandbox.close) for sandbox in self.open]:
-                closing.result()
+        _close(self.open)
         self.open.clear()
 
 

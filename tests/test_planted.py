@@ -165,3 +165,25 @@ def test_a_driver_from_another_package_declares_keys_of_its_own(
         result["tests"]
     )
     assert run.ret == pytest.ExitCode.OK, run.stdout.str()
+
+
+def test_a_broken_reap_fails_its_requirement_and_nothing_else(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """A test that leaves GPUs held fails itself, not its neighbours: no cascade.
+
+    The whole catalogue, on the gate's host layout: sandboxes a broken reap leaves behind
+    are closed by the fixture after each test, and what is left fails that test alone.
+    """
+    name = "tests.broken_drivers:ReapDoesNothing"
+    result, _ = run_catalogue(pytester, tmp_path, name, 8)
+    failed = {
+        requirement
+        for requirement, cells in result["matrix"].items()
+        if cells.get(name) in ("failed", "error")
+    }
+    assert failed == {"SANDBOX-REAP-01"}, [
+        (test["nodeid"], test["message"])
+        for test in result["tests"]
+        if test["outcome"] in ("failed", "error")
+    ]

@@ -250,3 +250,71 @@ def test_a_run_waiting_for_its_turn_says_so_on_a_line_of_its_own(
         assert done.returncode == 0, done.stdout[-3000:]
         said = [line for line in done.stdout.splitlines() if "waiting for another" in line]
         assert said == ["waiting for another conformance run (held by a test)"], (verbosity, said)
+
+
+LEAKY_TESTS = """
+import os
+
+import pytest
+
+from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.spec import SandboxSpec
+
+
+@pytest.mark.requirement("SANDBOX-REAP-01")
+def test_1_fails_before_it_closes_what_it_made(driver):
+    other = type(driver)(driver.host, "another-session", driver.image)
+    driver.create(SandboxSpec.with_gpus())
+    other.create(SandboxSpec.with_gpus())
+    raise AssertionError("failed on purpose, two sandboxes open")
+
+
+@pytest.mark.requirement("SANDBOX-REAP-01")
+def test_2_keeps_a_lease(driver):
+    owner = LeaseOwner("gpu-lease", "kept", driver.session_id, Holder.process(os.getpid()))
+    driver.host.leases.acquire(driver.inventory(), owner, count=1)
+
+
+@pytest.mark.requirement("GPU-COUNT-01")
+def test_3_takes_every_gpu(driver, sandboxes):
+    sandboxes(SandboxSpec.with_gpus(len(driver.inventory())))
+"""
+
+
+def test_a_test_that_leaves_gpus_held_fails_itself_not_the_tests_after_it(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """What a test made is closed after it, however it ended; what it kept fails it alone."""
+    pytester.makepyfile(test_leaky=LEAKY_TESTS)
+    host = simulated.setup(tmp_path / "sim", 2)
+    report = tmp_path / "conformance.json"
+    result = pytester.runpytest_subprocess(
+        "test_leaky.py",
+        f"--rootdir={ROOT}",
+        "-c",
+        str(ROOT / "pytest.ini"),
+        "-p",
+        "no:cacheprovider",
+        "--driver=reference",
+        f"--sim-root={host.root}",
+        "--reclaim-timeout=1",
+        f"--conformance-json={report}",
+        timeout=120,
+    )
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    outcomes = {
+        (test["nodeid"].split("::")[-1], test["outcome"])
+        for test in json.loads(report.read_text())["tests"]
+    }
+    assert outcomes == {
+        ("test_1_fails_before_it_closes_what_it_made[reference]", "failed"),
+        ("test_2_keeps_a_lease[reference]", "passed"),
+        ("test_2_keeps_a_lease[reference]", "error"),  # at its teardown
+        ("test_3_takes_every_gpu[reference]", "passed"),
+    }
+    result.stdout.fnmatch_lines(
+        [
+            "this test left behind, once its sandboxes were closed and session * "
+            "reaped: sandboxes none; leases: sandbox kept of the gpu-lease driver, held by *"
+        ]
+    )
