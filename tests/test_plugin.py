@@ -288,18 +288,13 @@ def test_a_test_that_leaves_gpus_held_fails_itself_not_the_tests_after_it(
     pytester.makepyfile(test_leaky=LEAKY_TESTS)
     host = simulated.setup(tmp_path / "sim", 2)
     report = tmp_path / "conformance.json"
-    result = pytester.runpytest_subprocess(
-        "test_leaky.py",
-        f"--rootdir={ROOT}",
-        "-c",
-        str(ROOT / "pytest.ini"),
-        "-p",
-        "no:cacheprovider",
+    result = run(
+        pytester,
         "--driver=reference",
         f"--sim-root={host.root}",
         "--reclaim-timeout=1",
         f"--conformance-json={report}",
-        timeout=120,
+        tests=str(pytester.path / "test_leaky.py"),  # a path of its own, not the catalogue's
     )
     result.assert_outcomes(passed=2, failed=1, errors=1)
     outcomes = {
