@@ -186,11 +186,20 @@ class Results:
             first = broken[0]
             more = f" (and {len(broken) - 1} more: {_some(broken[1:])})" if broken[1:] else ""
             return Verdict(driver, "FAIL", f"{first} failed: {cells[first].message}{more}")
-        passed = [req for req in mandatory if cells[req].status == "passed"]
-        unchecked = [req for req in mandatory if req not in passed]
-        detail = f"{len(passed)}/{len(mandatory)} mandatory passed"
+        # Counted: what applies to this driver and had a test in this run. A cell the tests
+        # found not applicable (a declared capability) is not counted; neither is one no
+        # selected test covers (--requirement, or `--pyargs conformance` without workloads),
+        # which the verdict names apart.
+        applies = [req for req in mandatory if cells[req].status != "not applicable"]
+        unselected = [req for req in applies if not cells[req].tests]
+        counted = [req for req in applies if cells[req].tests]
+        passed = [req for req in counted if cells[req].status == "passed"]
+        unchecked = [req for req in counted if req not in passed]
+        detail = f"{len(passed)}/{len(counted)} mandatory passed"
         if unchecked:
             detail += f", {len(unchecked)} not fully checked: {_some(unchecked)}"
+        if unselected:
+            detail += f"; {len(unselected)} not run (no test selected): {_some(unselected)}"
         optional_failed = len([req for req in failed if cells[req].level == "optional"])
         return Verdict(driver, "PASS", f"({detail}; {optional_failed} optional failed)")
 

@@ -139,6 +139,32 @@ def test_an_optional_failure_is_reported_but_does_not_gate() -> None:
     assert results.optional_failures() == 1
 
 
+def test_the_verdict_counts_what_applies_and_what_ran() -> None:
+    """A cell the tests found not applicable is not counted; nor is one no test covered."""
+    golden = requirements.parse(
+        {
+            "drivers": ["mydriver"],
+            "requirements": [
+                {"id": f"{name}-01", "statement": "MUST", "drivers": ["mydriver"]}
+                for name in ("A", "B", "SHARED", "WORKLOAD-CUDA", "WORKLOAD-TORCH")
+            ],
+        }
+    )
+    tests = [
+        make_entry("A-01", "mydriver"),
+        make_entry("B-01", "mydriver", "skipped", "needs 4 GPUs (host has 2)"),
+        # The tests' own finding: the driver declares it never shares.
+        make_entry("SHARED-01", "mydriver", "skipped", "not applicable: shared=False",
+                   level="not applicable"),
+    ]  # fmt: skip
+    results = make_results(tests, ("mydriver",), golden=golden)
+    assert results.matrix["SHARED-01"]["mydriver"] == "not applicable"
+    assert results.verdicts[0].line == (
+        "mydriver: PASS (1/2 mandatory passed, 1 not fully checked: B-01; 2 not run (no test "
+        "selected): WORKLOAD-CUDA-01, WORKLOAD-TORCH-01; 0 optional failed)"
+    )
+
+
 @pytest.mark.parametrize("explicit", [True, False])
 def test_a_driver_that_could_not_run_is_not_run_with_the_reason(explicit: bool) -> None:
     reason = "needed dockerd answering on /var/run/docker.sock (found: no such file)"
@@ -160,7 +186,7 @@ def test_cells_a_run_did_not_reach_are_not_run() -> None:
     assert results.matrix["GPU-NONE-01"]["reference"] == "passed"
     assert results.matrix["GPU-COUNT-01"]["reference"] == "not run"
     assert results.cells["GPU-COUNT-01"]["reference"].message == "no selected test covers it"
-    assert "not fully checked" in results.verdicts[0].line
+    assert "38 not run (no test selected): GPU-DEFAULT-01" in results.verdicts[0].line
 
 
 def test_json_round_trip_and_the_command_line_regenerate_the_same_pages(tmp_path: Path) -> None:
