@@ -58,6 +58,14 @@ def test_each_sandbox_has_namespaces_of_its_own(
             f"sandbox {sandbox.id} lists the host's processes in its /proc (host pid "
             f"{host_process.pid}: sh -c 'sleep 600' {marker})"
         )
+        # One namespace per sandbox, for its whole life: a namespace per command ends with the
+        # command, and its number may come back as another sandbox's.
+        again = _namespaces(sandbox)
+        assert again == namespaces, (
+            f"two commands in sandbox {sandbox.id} ran in different namespaces ({namespaces}, "
+            f"then {again}): every command of a sandbox must run in the sandbox's own network "
+            "and pid namespaces, the same for its whole life"
+        )
         for kind, namespace in namespaces.items():
             assert namespace != host[kind], (
                 f"sandbox {sandbox.id} shares the host's {kind} namespace ({namespace})"

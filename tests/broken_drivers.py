@@ -1812,6 +1812,20 @@ class _PrivilegedExecSandbox(ReferenceSandbox):
     exec_privileges = ("--bounding-set=-all", "--inh-caps=-all")
 
 
+class _PidNamespacePerCommand(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        # "Each command isolated from the others": a pid namespace that ends with it.
+        unshared = ("unshare", "--user", "--map-root-user", "--pid", "--fork", *command.argv)
+        return super().run(dataclasses.replace(command, argv=unshared), output)
+
+
+class PidNamespacePerCommand(BrokenDriver):
+    """Each command runs in a pid namespace of its own, which ends with it."""
+
+    BREAKS = "SANDBOX-NS-01"
+    SANDBOX = _PidNamespacePerCommand
+
+
 ALL: tuple[type[BrokenDriver], ...] = tuple(
     cls
     for cls in list(globals().values())
