@@ -594,7 +594,7 @@ class Driver(ABC):
                     device_id,
                     f"{plan.field} names an unknown device {shown(device_id)} "
                     f"(the {self.name} driver accepts {self.capabilities.exact_id_forms}; "
-                    f"this host has {len(self.inventory())} GPUs)",
+                    f"this host has {len(self.inventory())} GPUs{self._in_mig_mode()})",
                 )
             for gpu in gpus:
                 if gpu.uuid in chosen:
@@ -617,6 +617,19 @@ class Driver(ABC):
                     f"the instance is part of that GPU ({gpu.parent_uuid})",
                 )
         return tuple(gpu for _, gpu in chosen.values())
+
+    def _in_mig_mode(self) -> str:
+        """What an unknown ID's message adds when some of the host's GPUs are in MIG mode."""
+        taken = {gpu.uuid for gpu in self.exact_devices()}
+        mig_mode = [gpu for gpu in self.host.gpus if gpu.mig_enabled and gpu.uuid not in taken]
+        if not mig_mode:
+            return ""
+        which = ", ".join(str(gpu.index) for gpu in mig_mode)
+        return (
+            f", and GPU {which} in MIG mode: not whole GPUs, which no exact ID names; name "
+            "one of their MIG instances instead (gpu-sandbox gpus lists their IDs), or take "
+            "the GPU out of MIG mode"
+        )
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         """Lease the plan's GPUs from the host registry, held by this process until started."""
