@@ -3,7 +3,7 @@
     gpu-sandbox run  [--driver D] [GPU flags] [--image I] [--env K=V]... [-- CMD...]
     gpu-sandbox run  [--driver D] --request FILE|- [-- CMD...]
     gpu-sandbox spec [--driver D] [GPU flags | --request FILE|-] [--json]
-    gpu-sandbox gpus [--json | --node-annotation]
+    gpu-sandbox gpus [--driver D]... [--json | --node-annotation]
     gpu-sandbox reap SESSION [--driver D]...
 
 GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID``
@@ -222,6 +222,14 @@ def parser() -> argparse.ArgumentParser:
         "each (without asking any engine), and who holds it now (the lease registry).",
     )
     gpus.add_argument("--json", action="store_true", help="one JSON object")
+    gpus.add_argument(
+        "--driver",
+        action="append",
+        default=[],
+        metavar="NAME|module:Class",
+        help="list this driver's exact IDs only (repeatable, or comma-separated); a driver "
+        "of your own by its import path",
+    )
     gpus.add_argument(
         "--node-annotation",
         action="store_true",
@@ -451,7 +459,10 @@ def gpus_command(args: argparse.Namespace) -> int:
         whole = [gpu for gpu in host.gpus if not gpu.mig_enabled]
         _print(f'{{"nvidia.com/gpu": {gpus_to_json(whole)}}}')
         return 0
-    inventory = take(_host_config(args))
+    named = _named(args.driver)
+    for name in named:
+        _driver_class(name)  # an unknown one is a usage error, not a note in the listing
+    inventory = take(_host_config(args), named)
     if args.json:
         _print(json.dumps(inventory.to_json(), indent=2))
     else:
@@ -515,7 +526,7 @@ def reap_command(args: argparse.Namespace) -> int:
         check_session_id(args.session)
     except ValueError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
-    named = [name.strip() for option in args.driver for name in option.split(",") if name.strip()]
+    named = _named(args.driver)
     drivers: dict[str, type[Driver]] = {}
     failed: list[Reaped] = []
     for name in named or REGISTRY:
@@ -532,6 +543,20 @@ def reap_command(args: argparse.Namespace) -> int:
 
 
 # -- shared --------------------------------------------------------------------------------
+
+
+def _named(options: Sequence[str]) -> list[str]:
+    """The drivers a repeatable, comma-separated ``--driver`` names, in order."""
+    return [name.strip() for option in options for name in option.split(",") if name.strip()]
+
+
+def _driver_class(name: str) -> type[Driver]:
+    from drivers import UnknownDriver, get_driver_class
+
+    try:
+        return get_driver_class(name)
+    except UnknownDriver as exc:
+        raise CommandError(f"{flag_text('--driver', name)}: {exc}", EXIT_USAGE) from None
 
 
 def _count(text: str) -> int:
@@ -603,12 +628,7 @@ def _read_text(path: Path | None, flag: str) -> str:
 
 
 def _driver(args: argparse.Namespace, session: str) -> Driver:
-    from drivers import UnknownDriver, get_driver_class
-
-    try:
-        cls = get_driver_class(args.driver)
-    except UnknownDriver as exc:
-        raise CommandError(f"{flag_text('--driver', args.driver)}: {exc}", EXIT_USAGE) from None
+    cls = _driver_class(args.driver)
     try:
         return cls(_host(args), session, args.image)
     except ValueError as exc:  # the session id (--session)

@@ -9,7 +9,7 @@ host-wide lease registry.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -94,8 +94,12 @@ class Inventory:
         }
 
 
-def take(config: HostConfig) -> Inventory:
-    """The inventory of the host ``config`` names (simulated, or this machine's)."""
+def take(config: HostConfig, drivers: Sequence[str] = ()) -> Inventory:
+    """The inventory of the host ``config`` names (simulated, or this machine's).
+
+    With each driver's exact IDs: those named in ``drivers`` (built-in names or import
+    paths), or every built-in one.
+    """
     from gpuhost.discovery import DiscoveryError
 
     try:
@@ -119,7 +123,7 @@ def take(config: HostConfig) -> Inventory:
         simulated=host.simulated is not None,
         sources=sources,
         devices=host.devices,
-        drivers={name: _driver_ids(name, host) for name in REGISTRY},
+        drivers={name: _driver_ids(name, host) for name in drivers or REGISTRY},
         leases=leases,
         leases_error=leases_error,
         unused_pci=tuple(gpu for gpu in pci if gpu.pci_bus_id not in buses),

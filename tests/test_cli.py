@@ -545,6 +545,20 @@ def test_gpus_lists_each_device_its_ids_and_who_holds_it(cli_driver: Driver) -> 
     assert re.search(rf"^{free.index} +{free.uuid} .* free$", text, re.MULTILINE), text
 
 
+def test_gpus_lists_the_ids_of_the_drivers_named(sim: simulated.SimulatedHost) -> None:
+    """``--driver``, as ``run`` and ``spec`` take it: built-in names and import paths."""
+    named = "reference,tests.fake_drivers:CountsOnlyDriver"
+    result = gpu_sandbox("gpus", f"--sim-root={sim.root}", f"--driver={named}", "--json")
+    assert result.returncode == 0, result
+    listing = json.loads(result.stdout)
+    assert list(listing["drivers"]) == ["reference", "tests.fake_drivers:CountsOnlyDriver"]
+    text = gpu_sandbox("gpus", f"--sim-root={sim.root}", "--driver=reference").stdout
+    assert "tests.fake_drivers:CountsOnlyDriver: counts only" not in text
+    unknown = gpu_sandbox("gpus", f"--sim-root={sim.root}", "--driver=dokcer")
+    assert unknown.returncode == 2, unknown
+    assert "--driver=dokcer: unknown driver 'dokcer'; known: reference" in unknown.stderr
+
+
 def test_gpus_and_spec_answer_without_the_engine(sim: simulated.SimulatedHost) -> None:
     """With docker not answering, its IDs come from the CDI specs on disk, and spec answers."""
     if not (sim.root / "cdi" / "registered").is_file():
