@@ -41,7 +41,23 @@ def sim_host(tmp_path: Path) -> Iterator[simulated.SimulatedHost]:
     simulated.teardown(host.root)
 
 
+LANE_GROUPS = {"engines", "kubernetes", "vm"}
+"""The xdist groups of the tests that need dockerd and podman, a cluster, or QEMU."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "fuzz: a property test of bad input (make fuzz runs these long)"
     )
+    config.addinivalue_line(
+        "markers",
+        "lane: runs the catalogue in a subprocess, or needs an engine, a cluster or QEMU "
+        '(set here, not by hand); `pytest tests -m "not lane"` is the quick loop',
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        groups = {mark.args[0] for mark in item.iter_markers("xdist_group") if mark.args}
+        if groups & LANE_GROUPS or "pytester" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.lane)
