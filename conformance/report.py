@@ -194,6 +194,9 @@ class Results:
         unselected = [req for req in applies if not cells[req].tests]
         counted = [req for req in applies if cells[req].tests]
         passed = [req for req in counted if cells[req].status == "passed"]
+        if not passed:
+            # A PASS with nothing passed would let a lane that never ran through a gate.
+            return Verdict(driver, "NOT RUN", _why_none_ran(cells, unavailable, applies))
         unchecked = [req for req in counted if req not in passed]
         detail = f"{len(passed)}/{len(counted)} mandatory passed"
         if unchecked:
@@ -250,6 +253,16 @@ class Results:
             requirements=document["requirements"],
             tests=document["tests"],
         )
+
+
+def _why_none_ran(cells: dict[str, Cell], unavailable: list[str], applies: list[str]) -> str:
+    """Why no mandatory requirement of a driver passed, none having failed."""
+    if unavailable:
+        return unavailable[0]
+    reasons = [cells[req].message for req in applies if cells[req].message]
+    if reasons:
+        return f"no mandatory requirement passed; {len(applies)} not checked, first: {reasons[0]}"
+    return "no mandatory requirement passed: none was selected"
 
 
 def _some(names: list[str], most: int = 4) -> str:
@@ -360,8 +373,8 @@ def to_html(results: Results) -> str:
         for v in results.verdicts
     )
     columns = "".join(
-        f'<th scope="col">{_e(name)}<span class="version">{_e(driver["version"])}</span></th>'
-        for name, driver in results.drivers.items()
+        f'<th scope="col">{_e(name)}<span class="version">{_e(version)}</span></th>'
+        for name, version in ((name, _version(results, name)) for name in results.drivers)
     )
     statements = {str(row["id"]): str(row["statement"]) for row in results.requirements}
     rows = "".join(
@@ -384,6 +397,17 @@ def to_html(results: Results) -> str:
     )
 
 
+def _version(results: Results, driver: str) -> str:
+    """A driver's version for a column header; "not running" for one that could not run.
+
+    Why it could not is in its verdict, once, not in a header's wall of exception text.
+    """
+    verdicts = {verdict.driver: verdict for verdict in results.verdicts}
+    if verdicts[driver].status == "NOT RUN":
+        return "not running"
+    return str(results.drivers[driver].get("version") or "")
+
+
 def _md(value: object) -> str:
     """Text safe in a Markdown table cell: escaped HTML, no pipes, one line."""
     return html.escape(" ".join(str(value).split())).replace("|", "\\|")
@@ -401,7 +425,7 @@ def to_markdown(results: Results) -> str:
         "|---|---|---|",
     ]
     for verdict in results.verdicts:
-        version = results.drivers[verdict.driver].get("version") or ""
+        version = _version(results, verdict.driver)
         lines.append(f"| {_md(verdict.driver)} | {_md(version)} | {_md(verdict.summary)} |")
     lines += ["", f"| requirement | {' | '.join(_md(d) for d in drivers)} |"]
     lines.append("|---" * (len(drivers) + 1) + "|")

@@ -195,14 +195,14 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
         "--driver=tests.broken_drivers:RoundRobin",
         f"--sim-root={host.root}",
         "-k",
-        "default_request",
+        "default_request or own_block",
         tests="test_selection.py",
     )
     assert result.parseoutcomes().get("failed", 0) > 0
     result.stdout.fnmatch_lines(
         [
-            "tests.broken_drivers:RoundRobin: PASS (0/0 mandatory passed; * not run (no test "
-            "selected): GPU-NONE-01, GPU-DEFAULT-01, GPU-COUNT-01, GPU-EXACT-01 and * more; "
+            "tests.broken_drivers:RoundRobin: PASS (1/1 mandatory passed; * not run (no test "
+            "selected): GPU-NONE-01, GPU-DEFAULT-01, GPU-COUNT-01, GPU-ISOLATION-01 and * more; "
             "1 optional failed)"
         ]
     )

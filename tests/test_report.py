@@ -165,6 +165,27 @@ def test_the_verdict_counts_what_applies_and_what_ran() -> None:
     )
 
 
+def test_a_driver_none_of_whose_mandatory_requirements_ran_is_not_run() -> None:
+    """Its "not applicable" cells, judged without it, do not make a PASS of nothing."""
+    reason = "needed a kubeconfig (found none at /root/.kube/config)"
+    golden = requirements.load()
+    tests = [
+        make_entry(req.id, "kubernetes", "skipped", "not applicable", level="not applicable")
+        if golden.level(req.id, "kubernetes") == "not applicable"
+        else make_entry(req.id, "kubernetes", "skipped", reason, unavailable=reason)
+        for req in golden.requirements
+    ]
+    results = make_results(tests, ("kubernetes",))
+    assert results.verdicts[0].line == f"kubernetes: NOT RUN — {reason}"
+    assert not results.gate_fails()  # not named in --driver: a skip, not a failure
+    assert '<span class="version">not running</span>' in to_html(results)
+    assert "| kubernetes | not running | NOT RUN — needed a kubeconfig" in to_markdown(results)
+    skipped = make_results([make_entry("GPU-NONE-01", "reference", "skipped", "needs 2 GPUs")])
+    line = skipped.verdicts[0].line
+    assert line.startswith("reference: NOT RUN — no mandatory requirement passed; "), line
+    assert line.endswith(" not checked, first: needs 2 GPUs"), line
+
+
 @pytest.mark.parametrize("explicit", [True, False])
 def test_a_driver_that_could_not_run_is_not_run_with_the_reason(explicit: bool) -> None:
     reason = "needed dockerd answering on /var/run/docker.sock (found: no such file)"
