@@ -115,6 +115,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "drivers).",
     )
     group.addoption(
+        "--require-complete",
+        action="store_true",
+        help="A release run: a mandatory requirement that was not fully checked here (its "
+        "tests skipped for what the host lacks, or not selected) fails the gate, named with "
+        "what was missing.",
+    )
+    group.addoption(
         "--reap",
         metavar="SESSION",
         default=None,

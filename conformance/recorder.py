@@ -116,6 +116,7 @@ def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
             "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu_model": gpus["gpu_model"],
             "gpu_count": gpus["gpu_count"],
+            "require_complete": config.getoption("--require-complete"),
         },
         drivers={
             name: {"version": _version(cls, settings), "explicit": settings.explicit}

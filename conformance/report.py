@@ -138,7 +138,7 @@ class Results:
     """A run's results: the JSON document's content, and what follows from it."""
 
     header: dict[str, Any]
-    """session, host, hostname, generated, gpu_model, gpu_count, simulated"""
+    """session, host, hostname, generated, gpu_model, gpu_count, simulated, require_complete"""
     drivers: dict[str, dict[str, Any]]
     """driver → version, explicit (named in --driver)"""
     requirements: list[dict[str, Any]]
@@ -198,6 +198,16 @@ class Results:
             # A PASS with nothing passed would let a lane that never ran through a gate.
             return Verdict(driver, "NOT RUN", _why_none_ran(cells, unavailable, applies))
         unchecked = [req for req in counted if req not in passed]
+        if self.header.get("require_complete") and (unchecked or unselected):
+            missing = [*unchecked, *unselected]
+            first = missing[0]
+            why = cells[first].message or "no test of it ran"
+            more = f" (and {len(missing) - 1} more: {_some(missing[1:])})" if missing[1:] else ""
+            return Verdict(
+                driver,
+                "FAIL",
+                f"{first} not fully checked, and --require-complete asks it: {why}{more}",
+            )
         detail = f"{len(passed)}/{len(counted)} mandatory passed"
         if unchecked:
             detail += f", {len(unchecked)} not fully checked: {_some(unchecked)}"

@@ -314,3 +314,19 @@ def test_a_test_that_leaves_gpus_held_fails_itself_not_the_tests_after_it(
             "reaped: sandboxes none; leases: sandbox kept of the gpu-lease driver, held by *"
         ]
     )
+
+
+def test_require_complete_fails_a_gate_that_checked_less_than_it_asks(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """On one GPU, what needs two is not fully checked: a release run fails, naming it."""
+    host = simulated.setup(tmp_path / "sim", 1)
+    common = ("--driver=reference", f"--sim-root={host.root}")
+    lenient = run(pytester, *common)
+    assert lenient.ret == pytest.ExitCode.OK, lenient.stdout.str()
+    lenient.stdout.fnmatch_lines(["reference: PASS (*not fully checked: *"])
+    strict = run(pytester, *common, "--require-complete")
+    assert strict.ret == pytest.ExitCode.TESTS_FAILED
+    strict.stdout.fnmatch_lines(
+        ["reference: FAIL — * not fully checked, and --require-complete asks it: needs 2 GPUs*"]
+    )
