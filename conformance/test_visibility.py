@@ -8,6 +8,7 @@ import pytest
 
 from conformance.fixtures import SandboxFactory
 from conformance.observe import (
+    NodeSeen,
     create_side_by_side,
     cuda_visible_uuids,
     device_nodes,
@@ -96,6 +97,15 @@ def test_count_request_sees_exactly_n_distinct_gpus(
 
 
 @pytest.mark.requirement("GPU-ISOLATION-01")
+def test_what_cuda_opens_is_there_on_one_gpu(driver: Driver, sandboxes: SandboxFactory) -> None:
+    """A sandbox's GPU nodes, nvidiactl and nvidia-uvm MUST be there and open, on one GPU too."""
+    # The form of GPU-ISOLATION-01 a host of one GPU can check (CI runners have one): without
+    # nvidia-uvm, nvidia-smi works and CUDA cannot start.
+    sandbox = sandboxes(SandboxSpec.with_gpus())
+    _assert_cuda_can_open(sandbox, device_nodes(sandbox))
+
+
+@pytest.mark.requirement("GPU-ISOLATION-01")
 @pytest.mark.gpus(2)
 def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFactory) -> None:
     """Only the assigned GPUs' device nodes MUST exist inside the sandbox, of every kind."""
@@ -115,6 +125,18 @@ def test_only_assigned_device_nodes_exist(driver: Driver, sandboxes: SandboxFact
         list(pool.map(lambda sandbox: _assert_only_its_own_nodes(driver, sandbox), held))
 
 
+def _assert_cuda_can_open(sandbox: Sandbox, seen: list[NodeSeen]) -> None:
+    """What CUDA opens is there to open: the GPUs' nodes, nvidiactl and nvidia-uvm."""
+    __tracebackhide__ = True
+    present = {node.path for node in seen}
+    missing = sorted(CUDA_CONTROL_NODES - present)
+    assert not missing, f"sandbox {sandbox.id} has NVIDIA GPUs but not {missing}"
+    own = [node.path for node in nvidia_gpu_nodes(seen)]
+    assert own, f"sandbox {sandbox.id} holds no NVIDIA GPU node: {seen}"
+    refused = refused_nodes(sandbox, [*CUDA_CONTROL_NODES, *own])
+    assert not refused, f"sandbox {sandbox.id} may not open its GPU nodes: {refused}"
+
+
 def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
     __tracebackhide__ = True
     assert all(gpu.minor is not None for gpu in sandbox.gpus), (
@@ -128,12 +150,7 @@ def _assert_only_its_own_nodes(driver: Driver, sandbox: Sandbox) -> None:
     )
     foreign = foreign_gpu_nodes(sandbox, driver, seen)
     assert foreign == [], f"sandbox {sandbox.id} holds GPU device nodes not its own: {foreign}"
-    # And what CUDA opens is there to open: the GPUs' nodes, nvidiactl and nvidia-uvm.
-    present = {node.path for node in seen}
-    missing = sorted(CUDA_CONTROL_NODES - present)
-    assert not missing, f"sandbox {sandbox.id} has NVIDIA GPUs but not {missing}"
-    refused = refused_nodes(sandbox, [*CUDA_CONTROL_NODES, *(node.path for node in nodes)])
-    assert not refused, f"sandbox {sandbox.id} may not open its GPU nodes: {refused}"
+    _assert_cuda_can_open(sandbox, seen)
     # Nor can a command inside make a node of another GPU and reach it (a privileged sandbox).
     own = {node.minor for node in nodes}
     other = next((gpu for gpu in driver.inventory() if gpu.minor not in {*own, None}), None)

@@ -1456,18 +1456,25 @@ class OmitsUvmNode(BrokenDriver):
     """Of NVIDIA's control nodes binds nvidiactl alone, not nvidia-uvm: CUDA cannot start."""
 
     BREAKS = "GPU-ISOLATION-01"
+    LEFT_OUT = "/dev/nvidia-uvm"
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         argv = super().bwrap_argv(sandbox_id, gpus)
         kept: list[str] = []
         at = 0
         while at < len(argv):
-            if argv[at] == "--dev-bind" and argv[at + 2].startswith("/dev/nvidia-uvm"):
+            if argv[at] == "--dev-bind" and argv[at + 2].startswith(self.LEFT_OUT):
                 at += 3
                 continue
             kept.append(argv[at])
             at += 1
         return kept
+
+
+class OmitsCtlNode(OmitsUvmNode):
+    """Binds the GPUs' nodes and nvidia-uvm but not nvidiactl: nothing of NVIDIA's opens."""
+
+    LEFT_OUT = "/dev/nvidiactl"
 
 
 def _pid_alive(holder: Holder) -> bool:

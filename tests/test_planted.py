@@ -12,7 +12,7 @@ import yaml
 from conformance import requirements
 from gpuhost import simulated
 from tests import broken_containers
-from tests.broken_drivers import ALL, BrokenDriver
+from tests.broken_drivers import ALL, BrokenDriver, OmitsCtlNode, OmitsUvmNode
 from workloads.manifest import REQUIREMENT_PREFIX
 
 ROOT = Path(__file__).parent.parent
@@ -187,3 +187,11 @@ def test_a_broken_reap_fails_its_requirement_and_nothing_else(
         for test in result["tests"]
         if test["outcome"] in ("failed", "error")
     ]
+
+
+@pytest.mark.parametrize("broken", [OmitsUvmNode, OmitsCtlNode], ids=lambda cls: cls.__name__)
+def test_on_one_gpu_a_driver_that_leaves_out_a_cuda_node_fails_isolation(
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
+) -> None:
+    """Without the workload lane: most CI runners have one GPU."""
+    assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_drivers", 1)
