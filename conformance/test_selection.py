@@ -13,8 +13,30 @@ from conformance.observe import create_side_by_side, describe_gpus, uuids, visib
 from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpuBusy, UnsupportedGpuRequest
+from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-DEFAULT-02")
+def test_a_held_gpu_is_not_a_default_until_it_is_free(
+    driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """A default request MUST NOT get a GPU a live sandbox holds; once freed, it gets it."""
+    # The form of GPU-DEFAULT-02 a host of one GPU can check: every GPU held, then one freed.
+    if driver.capabilities.max_gpus_per_sandbox >= len(host_gpus):
+        held = [sandboxes(SandboxSpec.with_gpus(len(host_gpus)))]
+    else:  # one sandbox per GPU at most (a VM): side by side
+        held = create_side_by_side(sandboxes, [SandboxSpec.with_gpus()] * len(host_gpus))
+    with pytest.raises(GpusExhausted):  # every GPU is held
+        sandboxes(SandboxSpec.with_gpus())
+    freed = held.pop()
+    freed.close()
+    again = uuids(sandboxes(SandboxSpec.with_gpus()))
+    assert len(again) == 1, f"a default request got {again}"
+    assert set(again) <= set(uuids(freed)), (
+        f"{uuids(freed)} were the free GPUs; a default request got {again}"
+    )
 
 
 @pytest.mark.exclusive

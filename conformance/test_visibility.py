@@ -62,6 +62,19 @@ def _counts(driver: Driver) -> list[int]:
 
 
 @pytest.mark.requirement("GPU-COUNT-01")
+def test_a_count_of_one_sees_exactly_one_gpu(
+    sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """A request for 1 GPU MUST give exactly one of the host's GPUs, visible by UUID."""
+    # The form of GPU-COUNT-01 a host of one GPU can check; N of 2 and more follows.
+    sandbox = sandboxes(SandboxSpec.with_gpus(1))
+    reported = uuids(sandbox)
+    assert len(reported) == 1, f"asked for 1 GPU, the driver reports {reported}"
+    assert set(reported) <= set(host_gpus)
+    assert visible_gpu_uuids(sandbox) == reported
+
+
+@pytest.mark.requirement("GPU-COUNT-01")
 @pytest.mark.gpus(2)
 def test_count_request_sees_exactly_n_distinct_gpus(
     driver: Driver, sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
