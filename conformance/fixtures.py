@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TextIO
 
 import pytest
 
+from conformance import requirements
 from conformance.settings import Settings, settings_key
 from drivers.base import Driver, Sandbox
 from gpuhost.host import GpuHost
@@ -117,15 +118,15 @@ def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[No
         yield
         return
     driver: Driver = request.getfixturevalue("driver")
-    if request.node.get_closest_marker("exclusive") and not driver.capabilities.exclusive:
-        not_applicable(request.node, f"the {driver.name} driver shares GPUs (exclusive=False)")
-    if request.node.get_closest_marker("shares_gpus") and not driver.capabilities.shared:
-        not_applicable(request.node, f"the {driver.name} driver never shares GPUs (shared=False)")
-    pools = driver.capabilities.mig_profiles or set(driver.capabilities.vendors) - {"nvidia"}
-    if request.node.get_closest_marker("chooses_pools") and not pools:
-        not_applicable(
-            request.node, f"the {driver.name} driver serves no MIG profile and no other vendor"
-        )
+    capabilities = driver.capabilities
+    pools = capabilities.mig_profiles or set(capabilities.vendors) - {"nvidia"}
+    for marker, declared, declaration, why in (
+        ("exclusive", not capabilities.exclusive, "exclusive=False", "shares GPUs"),
+        ("shares_gpus", not capabilities.shared, "shared=False", "never shares GPUs"),
+        ("chooses_pools", not pools, "pools=none", "serves no MIG profile and no other vendor"),
+    ):
+        if declared and request.node.get_closest_marker(marker):
+            _left_out(request.node, f"the {driver.name} driver {why} ({declaration})", declaration)
     marker = request.node.get_closest_marker("gpus")
     have = len(driver.inventory())
     if marker is not None and have < marker.args[0]:
@@ -190,6 +191,21 @@ def _nothing_left(driver: Driver, before: set[str], timeout_s: float) -> None:
     pytest.fail(
         f"this test left behind, once its sandboxes were closed and session "
         f"{driver.session_id} reaped: sandboxes {sandboxes or 'none'}; leases: {held}",
+        pytrace=False,
+    )
+
+
+def _left_out(item: pytest.Item, why: str, declaration: str) -> NoReturn:
+    """Not applicable by a driver's declaration, where the profiles accept it; else a failure.
+
+    A declaration no profile accepts (exclusive=False: an allocator that hands one GPU to
+    two racing sandboxes would pass by it) fails the requirement, naming the declaration.
+    """
+    if declaration in requirements.load().accepted_declarations:
+        not_applicable(item, why)
+    pytest.fail(
+        f"{why}, which would leave this requirement out; no profile accepts the declaration "
+        f"{declaration} (accepted_declarations in REQUIREMENTS.yaml)",
         pytrace=False,
     )
 

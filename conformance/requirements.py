@@ -62,11 +62,18 @@ class Requirement:
     optional: tuple[str, ...] = ()
 
 
+DECLARATIONS = ("exclusive=False", "shared=False", "pools=none")
+"""What a driver's capabilities may declare that leaves requirements out (the catalogue's
+markers exclusive, shares_gpus and chooses_pools)."""
+
+
 @dataclass(frozen=True)
 class GoldenList:
     drivers: tuple[str, ...]
     """The drivers with a profile: the built-in ones, present and planned."""
     requirements: tuple[Requirement, ...]
+    accepted_declarations: tuple[str, ...] = ()
+    """The declarations (of ``DECLARATIONS``) that may leave a requirement out."""
 
     @functools.cached_property
     def by_id(self) -> dict[str, Requirement]:
@@ -87,8 +94,11 @@ class GoldenList:
 
 def parse(document: object, source: Path = REQUIREMENTS_FILE) -> GoldenList:
     """The golden list of a YAML document: every key present, of its type, and no other."""
-    top = _mapping(source, "", document, {"drivers", "requirements"})
+    top = _mapping(source, "", document, {"drivers", "requirements"}, {"accepted_declarations"})
     drivers = _names(source, "drivers", top["drivers"], None)
+    accepted = _names(
+        source, "accepted_declarations", top.get("accepted_declarations", []), DECLARATIONS
+    )
     found: dict[str, Requirement] = {}
     entries = listed(source, "requirements", top["requirements"], RequirementsError)
     for index, entry in enumerate(entries):
@@ -101,7 +111,7 @@ def parse(document: object, source: Path = REQUIREMENTS_FILE) -> GoldenList:
                 f"{requirement.id} is used twice",
             )
         found[requirement.id] = requirement
-    return GoldenList(drivers=drivers, requirements=tuple(found.values()))
+    return GoldenList(drivers, tuple(found.values()), accepted)
 
 
 @functools.cache
@@ -159,7 +169,7 @@ def _names(
     """A list of distinct driver names, each one of ``allowed`` when that is given."""
     if not isinstance(value, list):
         raise RequirementsError(
-            source, field, value, f"must be a list of driver names, got {shown(value)}"
+            source, field, value, f"must be a list of names, got {shown(value)}"
         )
     seen: set[str] = set()
     for index, name in enumerate(value):

@@ -12,6 +12,7 @@ from drivers.base import Availability, Command, Launch, Output
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.errors import InvalidDriverConfig
 from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
+from tests.broken_drivers import NoLocking
 
 
 class UnavailableDriver(ReferenceDriver):
@@ -106,3 +107,11 @@ class TieredDriver(ReferenceDriver):
                 request.field(key), value, f"{request.field(key)} is not valid: {value!r}"
             )
         return super().plan(request)
+
+
+class NonExclusiveByDeclaration(NoLocking):
+    """Declares ``exclusive=False``, and double-grants under a race: it must not pass by it."""
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        return dataclasses.replace(super().capabilities, exclusive=False)

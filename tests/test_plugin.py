@@ -330,3 +330,30 @@ def test_require_complete_fails_a_gate_that_checked_less_than_it_asks(
     strict.stdout.fnmatch_lines(
         ["reference: FAIL — * not fully checked, and --require-complete asks it: needs 2 GPUs*"]
     )
+
+
+def test_a_declaration_no_profile_accepts_fails_the_requirements_it_would_leave_out(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """exclusive=False does not make the exclusivity requirements not applicable: it fails them."""
+    host = simulated.setup(tmp_path / "sim", 4)
+    name = "tests.fake_drivers:NonExclusiveByDeclaration"
+    report = tmp_path / "conformance.json"
+    result = run(
+        pytester,
+        f"--driver={name}",
+        f"--sim-root={host.root}",
+        f"--conformance-json={report}",
+        tests="test_exhaustion.py",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            f"{name}: FAIL — GPU-* failed: Failed: the * driver shares GPUs "
+            "(exclusive=False), which would leave this requirement out; no profile accepts the "
+            "declaration exclusive=False*"
+        ]
+    )
+    matrix = json.loads(report.read_text())["matrix"]
+    assert matrix["GPU-CONCURRENT-01"][name] == "failed"
+    assert "not applicable" not in {cells[name] for cells in matrix.values()}

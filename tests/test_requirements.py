@@ -92,7 +92,7 @@ BAD_LISTS = {
     "drivers a string": (
         changed("requirements.0.drivers", "reference"),
         "A-01.drivers",
-        "must be a list of driver names, got 'reference'",
+        "must be a list of names, got 'reference'",
     ),
     "an unknown key": (
         changed("requirements.1.optinal", ["vm"]),
@@ -103,6 +103,11 @@ BAD_LISTS = {
         changed("requirements.0.drivers", ["reference", "dockr"]),
         "A-01.drivers[1]",
         "must be one of reference, vm, got 'dockr'",
+    ),
+    "a declaration no catalogue marker has": (
+        changed("accepted_declarations", ["shared=False", "exclusive=false"]),
+        "accepted_declarations[1]",
+        "must be one of exclusive=False, shared=False, pools=none, got 'exclusive=false'",
     ),
     "a driver twice": (
         changed("requirements.0.drivers", ["vm", "vm"]),
@@ -157,7 +162,7 @@ BAD_LISTS = {
     "a key at the top": (
         changed("version", 2),
         "version",
-        "unknown key 'version' (known: drivers, requirements)",
+        "unknown key 'version' (known: accepted_declarations, drivers, requirements)",
     ),
 }
 
