@@ -202,6 +202,7 @@ def _left_out(item: pytest.Item, why: str, declaration: str) -> NoReturn:
     two racing sandboxes would pass by it) fails the requirement, naming the declaration.
     """
     if declaration in requirements.load().accepted_declarations:
+        item.user_properties.append(("declared", declaration))
         not_applicable(item, why)
     pytest.fail(
         f"{why}, which would leave this requirement out; no profile accepts the declaration "

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import pytest
 
@@ -66,6 +66,8 @@ class Entry(TypedDict):
     gpu_model: str
     gpu_count: int
     simulated: bool
+    declared: NotRequired[str]
+    """The driver's declaration that made the test not applicable (``shared=False``)."""
 
 
 def entry(report: pytest.TestReport) -> Entry | None:
@@ -86,6 +88,7 @@ def entry(report: pytest.TestReport) -> Entry | None:
         gpu_model=str(props.get("gpu_model", "")),
         gpu_count=int(str(props.get("gpu_count", 0))),
         simulated=props.get("simulated") == "true",
+        declared=str(props.get("declared", "")),
     )
 
 
@@ -213,6 +216,16 @@ class Results:
             detail += f", {len(unchecked)} not fully checked: {_some(unchecked)}"
         if unselected:
             detail += f"; {len(unselected)} not run (no test selected): {_some(unselected)}"
+        declared = {
+            req: test["declared"]
+            for req in mandatory
+            if cells[req].status == "not applicable"
+            for test in cells[req].tests
+            if test.get("declared")
+        }
+        if declared:
+            left_out = [f"{req} ({declaration})" for req, declaration in declared.items()]
+            detail += f"; {len(left_out)} left out by its declarations: {_some(left_out)}"
         optional_failed = len([req for req in failed if cells[req].level == "optional"])
         return Verdict(driver, "PASS", f"({detail}; {optional_failed} optional failed)")
 

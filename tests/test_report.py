@@ -157,11 +157,13 @@ def test_the_verdict_counts_what_applies_and_what_ran() -> None:
         make_entry("SHARED-01", "mydriver", "skipped", "not applicable: shared=False",
                    level="not applicable"),
     ]  # fmt: skip
+    tests[-1]["declared"] = "shared=False"
     results = make_results(tests, ("mydriver",), golden=golden)
     assert results.matrix["SHARED-01"]["mydriver"] == "not applicable"
     assert results.verdicts[0].line == (
         "mydriver: PASS (1/2 mandatory passed, 1 not fully checked: B-01; 2 not run (no test "
-        "selected): WORKLOAD-CUDA-01, WORKLOAD-TORCH-01; 0 optional failed)"
+        "selected): WORKLOAD-CUDA-01, WORKLOAD-TORCH-01; 1 left out by its declarations: "
+        "SHARED-01 (shared=False); 0 optional failed)"
     )
 
 
