@@ -9,6 +9,12 @@ or to no driver. ``VfioBinder.claim`` binds them, the kernel's way:
 3. bound to vfio-pci (``drivers/vfio-pci/bind``), and waited for until its ``driver`` link
    names vfio-pci;
 
+It takes a function from the driver it has only where it was asked to (``rebind``; by
+default only groups already bound to vfio-pci, or to no driver, are claimed), and never an
+NVIDIA GPU whose device node a process holds open: a GPU serving the nvidia driver may be
+in use by a persistence daemon, another job or a display, and its unbind can block in the
+kernel. Both refusals are ``VfioRefused``, raised before anything is written.
+
 ``release`` undoes it: ``driver_override`` cleared, unbound from vfio-pci, bound to the
 driver it had. What a claim changed is written to the state directory *before* it changes
 it (one JSON file per IOMMU group, naming the sandbox and the process that holds it), so a
@@ -34,6 +40,8 @@ from gpuhost.leases import Holder, liveness_check
 from gpuhost.wait import wait_for
 
 VFIO_DRIVER = "vfio-pci"
+REBIND_ENV = "GPU_SANDBOX_VM_REBIND"
+"""Set to 1 to let the vm driver take GPUs from the nvidia driver (those no process uses)."""
 BIND_TIMEOUT_S = 10.0
 """Binding is synchronous in the kernel; a GPU driver's unbind can take a second or two
 (it waits for the GPU to idle). Ten seconds means something holds the device."""
@@ -41,6 +49,10 @@ BIND_TIMEOUT_S = 10.0
 
 class VfioError(RuntimeError):
     """A device could not be bound to vfio-pci or given back; the message says which step."""
+
+
+class VfioRefused(VfioError):
+    """A group the binder will not take from its driver: not asked to, or a GPU in use."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +69,20 @@ class VfioClaim:
 class VfioBinder:
     """Binds IOMMU groups to vfio-pci under ``sysfs`` and records it under ``state_dir``."""
 
-    def __init__(self, state_dir: Path, sysfs: Path = Path("/sys"), dev: Path = Path("/dev")):
+    def __init__(
+        self,
+        state_dir: Path,
+        sysfs: Path = Path("/sys"),
+        dev: Path = Path("/dev"),
+        *,
+        rebind: bool = False,
+        proc: Path = Path("/proc"),
+    ) -> None:
         self.sysfs = sysfs
         self.dev = dev
+        self.proc = proc
+        self.rebind = rebind
+        """Whether a function bound to another driver (nvidia) may be taken from it."""
         self.records = state_dir / "vfio"
 
     # -- reading sysfs ----------------------------------------------------------------
@@ -101,6 +124,7 @@ class VfioBinder:
         """Bind ``bdf``'s whole IOMMU group to vfio-pci for ``sandbox_id``, held by ``holder``."""
         group = self.group_of(bdf)
         functions = {fn: self.driver_of(fn) for fn in self.group_functions(group)}
+        self._may_take(bdf, group, functions)
         with self._locked():
             record = self._record(group)
             if record.exists():
@@ -118,6 +142,50 @@ class VfioBinder:
                 record.unlink(missing_ok=True)
                 raise
         return VfioClaim(group, functions, self.dev / "vfio" / group)
+
+    def _may_take(self, bdf: str, group: str, functions: dict[str, str | None]) -> None:
+        """Refuse, before any write, a group this binder was not asked to take, or in use."""
+        bound = {
+            fn: driver for fn, driver in functions.items() if driver not in (None, VFIO_DRIVER)
+        }
+        if bound and not self.rebind:
+            drivers = ", ".join(f"{fn} to {driver}" for fn, driver in bound.items())
+            raise VfioRefused(
+                f"IOMMU group {group} of {bdf} is bound to other drivers ({drivers}); only "
+                f"groups bound to {VFIO_DRIVER} are taken, unless rebinding is asked for "
+                f"(--vm-rebind-gpus, or {REBIND_ENV}=1)"
+            )
+        for fn, driver in bound.items():
+            if driver == "nvidia":
+                node, users = self.users_of_nvidia_gpu(fn)
+                if users:
+                    raise VfioRefused(
+                        f"{fn} (IOMMU group {group}) is in use: {node} is open in "
+                        f"{', '.join(users)}; it is left bound to nvidia"
+                    )
+
+    def users_of_nvidia_gpu(self, bdf: str) -> tuple[str, list[str]]:
+        """The device node of an NVIDIA GPU bound to nvidia, and the processes holding it.
+
+        Each as ``pid <pid> (<command>)``. A GPU whose node cannot be told is refused.
+        """
+        information = self.proc / "driver" / "nvidia" / "gpus" / bdf / "information"
+        try:
+            lines = information.read_text().splitlines()
+            minor = next(line.split(":")[1].strip() for line in lines if "Device Minor" in line)
+        except (OSError, StopIteration, IndexError) as exc:
+            raise VfioRefused(
+                f"cannot tell whether {bdf} is in use (no device minor in {information}: "
+                f"{exc}); it is left bound to nvidia"
+            ) from None
+        node = str(self.dev / f"nvidia{minor}")
+        users = []
+        for fd_dir in self.proc.glob("[0-9]*/fd"):
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) == node for fd in fd_dir.iterdir()):
+                    command = (fd_dir.parent / "comm").read_text().strip()
+                    users.append(f"pid {fd_dir.parent.name} ({command})")
+        return node, sorted(users)
 
     def set_holder(self, claim: VfioClaim, sandbox_id: str, holder: Holder) -> None:
         """Record the process that now holds the group (the VM, once it runs)."""

@@ -24,7 +24,7 @@ import pytest
 
 from gpuhost import vfio
 from gpuhost.leases import Holder
-from gpuhost.vfio import VFIO_DRIVER, VfioBinder, VfioError
+from gpuhost.vfio import VFIO_DRIVER, VfioBinder, VfioError, VfioRefused
 from tests.broken_vms import BindingNotRestored
 
 GPU, AUDIO, OTHER_GPU, LONE = "0000:2a:00.0", "0000:2a:00.1", "0000:5d:00.0", "0000:9a:00.0"
@@ -117,8 +117,26 @@ def sysfs(tmp_path: Path) -> Iterator[ConstructedSysfs]:
     assert tree.refused == [], f"the binder asked the kernel for what it refuses: {tree.refused}"
 
 
-def _binder(cls: type[VfioBinder], tmp_path: Path, sysfs: ConstructedSysfs) -> VfioBinder:
-    return cls(tmp_path / "state", sysfs=sysfs.root, dev=tmp_path / "dev")
+MINORS = {GPU: 0, OTHER_GPU: 1}
+
+
+def _binder(
+    cls: type[VfioBinder], tmp_path: Path, sysfs: ConstructedSysfs, rebind: bool = True
+) -> VfioBinder:
+    """A binder of the constructed tree, asked to rebind (the tests of taking and giving back)."""
+    proc = tmp_path / "proc"
+    for bdf, minor in MINORS.items():
+        gpu = proc / "driver" / "nvidia" / "gpus" / bdf
+        gpu.mkdir(parents=True, exist_ok=True)
+        (gpu / "information").write_text(f"Model: NVIDIA H100\nDevice Minor: {minor}\n")
+    dev = tmp_path / "dev"
+    return cls(tmp_path / "state", sysfs=sysfs.root, dev=dev, rebind=rebind, proc=proc)
+
+
+def _untouched(tmp_path: Path, sysfs: ConstructedSysfs) -> None:
+    __tracebackhide__ = True
+    _check_restored(sysfs)
+    assert not list((tmp_path / "state").glob("vfio/*.json")), "a refused claim left a record"
 
 
 def _dead_holder() -> Holder:
@@ -230,3 +248,53 @@ def test_a_bind_that_never_happens_fails_in_time_and_leaves_nothing_bound(
     sysfs.hang_binds = False
     assert binder.claims() == {}, "a failed claim left its record"
     assert sysfs.driver(LONE) is None
+
+
+def test_unasked_a_gpu_bound_to_nvidia_is_refused_and_untouched(
+    tmp_path: Path, sysfs: ConstructedSysfs
+) -> None:
+    binder = _binder(VfioBinder, tmp_path, sysfs, rebind=False)
+    with pytest.raises(VfioRefused) as refused:
+        binder.claim(GPU, "sandbox-a", Holder.process(os.getpid()))
+    assert str(refused.value) == (
+        f"IOMMU group 17 of {GPU} is bound to other drivers ({GPU} to nvidia, {AUDIO} to "
+        "snd_hda_intel); only groups bound to vfio-pci are taken, unless rebinding is asked "
+        "for (--vm-rebind-gpus, or GPU_SANDBOX_VM_REBIND=1)"
+    )
+    _untouched(tmp_path, sysfs)
+    # A group of no driver, or of vfio-pci already, is taken unasked, and given back.
+    claim = binder.claim(LONE, "sandbox-a", Holder.process(os.getpid()))
+    binder.release(claim.group)
+    _check_restored(sysfs)
+
+
+def test_asked_a_gpu_whose_node_a_process_holds_is_refused_and_untouched(
+    tmp_path: Path, sysfs: ConstructedSysfs
+) -> None:
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    user = tmp_path / "proc" / "4242"
+    (user / "fd").mkdir(parents=True)
+    (user / "comm").write_text("nvidia-persistenced\n")
+    (user / "fd" / "3").symlink_to(tmp_path / "dev" / "nvidia0")
+    with pytest.raises(
+        VfioRefused,
+        match=rf"{GPU} \(IOMMU group 17\) is in use: .*/dev/nvidia0 "
+        r"is open in pid 4242 \(nvidia-persistenced\); it is left bound to nvidia",
+    ):
+        binder.claim(GPU, "sandbox-a", Holder.process(os.getpid()))
+    _untouched(tmp_path, sysfs)
+    # The other GPU, whose node nobody holds, is taken.
+    claim = binder.claim(OTHER_GPU, "sandbox-b", Holder.process(os.getpid()))
+    assert sysfs.driver(OTHER_GPU) == VFIO_DRIVER
+    binder.release(claim.group)
+    _check_restored(sysfs)
+
+
+def test_asked_a_gpu_whose_node_cannot_be_told_is_refused(
+    tmp_path: Path, sysfs: ConstructedSysfs
+) -> None:
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    (tmp_path / "proc" / "driver" / "nvidia" / "gpus" / GPU / "information").unlink()
+    with pytest.raises(VfioRefused, match=f"cannot tell whether {GPU} is in use"):
+        binder.claim(GPU, "sandbox-a", Holder.process(os.getpid()))
+    _untouched(tmp_path, sysfs)
