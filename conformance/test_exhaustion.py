@@ -158,7 +158,7 @@ def _assert_fair_outcome(granted: list[list[str]], errors: list[BaseException], 
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-CONCURRENT-01")
 def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
-    """Concurrent creates from threads MUST never grant a GPU twice."""
+    """Concurrent creates from threads MUST never grant a GPU twice, nor a part of a request."""
     total = len(driver.inventory())
     contenders = 2 * total
     barrier = threading.Barrier(contenders)
@@ -183,7 +183,42 @@ def test_concurrent_creates_from_threads_never_share(driver: Driver) -> None:
     finally:
         with ThreadPoolExecutor(contenders) as pool:
             list(pool.map(lambda sandbox: sandbox.close(), won))
+    if driver.capabilities.max_gpus_per_sandbox >= 2 and total >= 3:
+        _race_bigger_requests(driver, total)
     assert_all_gpus_grantable(driver, after="the concurrent creates closed")
+
+
+def _race_bigger_requests(driver: Driver, total: int, rounds: int = 3) -> None:
+    """Requests of more than half the GPUs, racing: one gets them all, whole; none gets a part.
+
+    An allocator that checks what is free and then takes GPUs one by one lets two of them
+    both start, each with a part of what it asked for.
+    """
+    __tracebackhide__ = True
+    count = min(total // 2 + 1, driver.capabilities.max_gpus_per_sandbox)
+    if 2 * count <= total:
+        return  # two would fit: no race to lose
+
+    def create(barrier: threading.Barrier) -> Sandbox:
+        barrier.wait()
+        return driver.create(SandboxSpec.with_gpus(count))
+
+    for _ in range(rounds):
+        barrier = threading.Barrier(3)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(create, barrier) for _ in range(3)]
+        won = [f.result() for f in futures if f.exception() is None]
+        try:
+            got = [uuids(sandbox) for sandbox in won]
+            raced = f"three requests of {count} of {total} free GPUs raced; the winners got {got}"
+            assert len(won) == 1, f"{raced}: one must win, the others get GpusExhausted"
+            assert len(set(got[0])) == count, f"{raced}: the winner must get {count}"
+            lost = [e for f in futures if (e := f.exception()) is not None]
+            wrong = [e for e in lost if not isinstance(e, GpusExhausted)]
+            assert not wrong, f"losers must get GpusExhausted, got {wrong!r}"
+        finally:
+            for sandbox in won:
+                sandbox.close()
 
 
 @pytest.mark.exclusive

@@ -252,6 +252,13 @@ COUNT_ERRORS = {
         lambda d: "got 2.5",
         field=COUNT,
     ),
+    # A number of another JSON type with an integer's value: a count is an integer.
+    "integral-float": BadRequest(
+        lambda d: {"resource_requirements": _gpu(2.0)},
+        InvalidGpuCount,
+        lambda d: "got 2.0",
+        field=COUNT,
+    ),
     "word": BadRequest(
         lambda d: {"resource_requirements": _gpu("two")},
         InvalidGpuCount,

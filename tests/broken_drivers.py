@@ -324,6 +324,32 @@ class NoLocking(BrokenDriver):
         super().__init__(host, session_id, image)
 
 
+class CheckThenTakeOneByOne(BrokenDriver):
+    """Checks that enough GPUs are free, then takes them one by one, each under the lock.
+
+    Two racing requests of more than half the GPUs both start, each with a part.
+    """
+
+    BREAKS = "GPU-CONCURRENT-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.gpus or plan.count < 2 or plan.sharing != EXCLUSIVE:
+            return super().allocate(sandbox_id, plan)
+        pool = self.pool(plan)
+        free = self.host.leases.free(pool)
+        if len(free) < plan.count:
+            raise GpusExhausted(plan.count, len(free), len(pool))
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        taken: list[GpuDevice] = []
+        for _ in range(plan.count):
+            time.sleep(0.02)  # what a scheduler round trip takes between two grants
+            try:
+                taken += self.host.leases.acquire(pool, owner, count=1)
+            except GpusExhausted:
+                break  # "as many as there were"
+        return tuple(taken)
+
+
 class ThreadsOnlyLock(BrokenDriver):
     """The lease registry locks threads but not processes."""
 
@@ -958,6 +984,20 @@ class CoercesCount(BrokenDriver):
     def plan(self, request: DriverRequest) -> GpuPlan | None:
         gpu = request.gpu
         if gpu is not None and isinstance(gpu.count, str) and gpu.count.isdigit():
+            request = dataclasses.replace(
+                request, gpu=dataclasses.replace(gpu, count=int(gpu.count))
+            )
+        return super().plan(request)
+
+
+class CoercesIntegralFloatCount(BrokenDriver):
+    """Takes a count of 2.0 for 2, as `int(count) == count` would, instead of refusing it."""
+
+    BREAKS = "GPU-VALIDATE-02"
+
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        gpu = request.gpu
+        if gpu is not None and isinstance(gpu.count, float) and gpu.count.is_integer():
             request = dataclasses.replace(
                 request, gpu=dataclasses.replace(gpu, count=int(gpu.count))
             )
