@@ -981,27 +981,22 @@ class CoercesCount(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
+    def coerces(self, count: object) -> bool:
+        return isinstance(count, str) and count.isdigit()
+
     def plan(self, request: DriverRequest) -> GpuPlan | None:
         gpu = request.gpu
-        if gpu is not None and isinstance(gpu.count, str) and gpu.count.isdigit():
-            request = dataclasses.replace(
-                request, gpu=dataclasses.replace(gpu, count=int(gpu.count))
-            )
+        if gpu is not None and self.coerces(gpu.count):
+            count = int(gpu.count)
+            request = dataclasses.replace(request, gpu=dataclasses.replace(gpu, count=count))
         return super().plan(request)
 
 
-class CoercesIntegralFloatCount(BrokenDriver):
+class CoercesIntegralFloatCount(CoercesCount):
     """Takes a count of 2.0 for 2, as `int(count) == count` would, instead of refusing it."""
 
-    BREAKS = "GPU-VALIDATE-02"
-
-    def plan(self, request: DriverRequest) -> GpuPlan | None:
-        gpu = request.gpu
-        if gpu is not None and isinstance(gpu.count, float) and gpu.count.is_integer():
-            request = dataclasses.replace(
-                request, gpu=dataclasses.replace(gpu, count=int(gpu.count))
-            )
-        return super().plan(request)
+    def coerces(self, count: object) -> bool:
+        return isinstance(count, float) and count.is_integer()
 
 
 class IndexBoundOffByOne(BrokenDriver):
