@@ -127,24 +127,31 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
             one(gpu, device_id)
 
     def mixed(pair: tuple[GpuDevice, GpuDevice], form: int) -> None:
-        later, earlier = pair
-        forms = min(len(driver.device_ids(later)), len(driver.device_ids(earlier)))
+        first, second = pair
+        forms = min(len(driver.device_ids(first)), len(driver.device_ids(second)))
         ids = [
-            driver.device_ids(later)[form % forms],
-            driver.device_ids(earlier)[(form + 1) % forms],
+            driver.device_ids(first)[form % forms],
+            driver.device_ids(second)[(form + 1) % forms],
         ]
         with sandboxes(_exact(driver, ids, count=2)) as sandbox:
-            assert sorted(uuids(sandbox)) == sorted([earlier.uuid, later.uuid]), f"asked {ids}"
-            assert sorted(visible_gpu_uuids(sandbox)) == sorted([earlier.uuid, later.uuid])
+            assert sorted(uuids(sandbox)) == sorted([first.uuid, second.uuid]), f"asked {ids}"
+            assert sorted(visible_gpu_uuids(sandbox)) == sorted([first.uuid, second.uuid])
 
     # Every GPU at once, each named in every form in turn: sandboxes held side by side.
     with ThreadPoolExecutor(len(inventory)) as pool:
         list(pool.map(every_form, inventory))
     if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
-        # Two GPUs named in mixed forms, the later GPU first: each form beside each other one.
-        # The pairs (last and first, then inwards) side by side, each taking its forms in turn.
+        # Two GPUs named in mixed forms: each form beside each other one. The pairs (last and
+        # second, then inwards) side by side, each taking its forms in turn, the later GPU
+        # first in one pair and second in the next. The first GPU is named by none of them
+        # where there are three: the lowest free GPU, which a fallback takes, is never right.
         forms = min(len(driver.device_ids(gpu)) for gpu in (inventory[0], inventory[-1]))
-        pairs = [(inventory[-1 - i], inventory[i]) for i in range(len(inventory) // 2)]
+        if len(inventory) >= 3:
+            inward = [(inventory[-1 - i], inventory[i + 1]) for i in range(len(inventory) // 2)]
+            pairs = [pair if k % 2 == 0 else pair[::-1] for k, pair in enumerate(inward)]
+            pairs = [(a, b) for a, b in pairs if a != b]
+        else:
+            pairs = [(inventory[-1], inventory[0])]
 
         def pair_forms(k: int) -> None:
             for form in range(k, forms, len(pairs)):

@@ -976,6 +976,19 @@ class ExhaustedCountsDefaultPool(BrokenDriver):
             raise GpusExhausted(plan.count, len(free), len(inventory)) from None
 
 
+class SecondIdLowestFree(BrokenDriver):
+    """Of two exact IDs, serves the first and the lowest free GPU for the second."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        gpus = super().resolve(plan)
+        if len(gpus) != 2:
+            return gpus
+        free = [gpu for gpu in self.host.leases.free(self.inventory()) if gpu != gpus[0]]
+        return (gpus[0], free[0]) if free else gpus
+
+
 class CoercesCount(BrokenDriver):
     """Takes a count of "2" for 2 instead of refusing it with InvalidGpuCount."""
 
