@@ -317,6 +317,35 @@ def _unknown(device_id: str) -> BadRequest:
     )
 
 
+def _near_miss(driver: Driver, how: str) -> str:
+    """A spelling close to one of the driver's own IDs of its second GPU, which is none.
+
+    ``case``: the longest ID in the other letter case; ``prefix``: it less its last four
+    characters (a prefix only that GPU's ID has); ``path``: the GPU's device node. Only the
+    IDs ``device_ids`` lists are IDs: each of these must be refused, never mapped to a GPU.
+    """
+    gpu = driver.inventory()[min(1, len(driver.inventory()) - 1)]
+    longest = max(driver.device_ids(gpu), key=len)
+    spelled = {
+        "case": longest.swapcase(),
+        "prefix": longest[:-4],
+        "path": f"/dev/nvidia{gpu.minor}",
+    }[how]
+    if spelled in driver.device_index():  # a form the driver lists after all: no near miss
+        return f"{spelled}-not-an-id"
+    return spelled
+
+
+def _refused_spelling(how: str) -> BadRequest:
+    return BadRequest(
+        lambda d: _ids(d, [_near_miss(d, how)]),
+        UnknownGpuDevice,
+        lambda d: _near_miss(d, how),
+        needs_exact_ids=True,
+        field=IDS,
+    )
+
+
 ID_ERRORS = {
     "duplicate": BadRequest(
         lambda d: _ids(d, [_id(d), _id(d)], count=2),
@@ -352,6 +381,11 @@ ID_ERRORS = {
     # Neither an index counted from the end, nor a prefix that several UUIDs share.
     "negative-index": _unknown("-1"),
     "uuid-prefix-of-every-gpu": _unknown("GPU-"),
+    # Near misses of the driver's own IDs: another letter case, a prefix only one ID has, the
+    # device node's path. Refused, not mapped to a GPU (and never to another one).
+    "id-in-another-case": _refused_spelling("case"),
+    "unique-prefix-of-an-id": _refused_spelling("prefix"),
+    "device-path": _refused_spelling("path"),
     "unknown-id": BadRequest(
         lambda d: _ids(d, ["no-such-gpu-0"]),
         UnknownGpuDevice,

@@ -1634,13 +1634,38 @@ class UuidPrefixIds(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-03"
 
+    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
+        """The known ID a spelling is taken for (itself when none)."""
+        return next((g.uuid for g in self.host.gpus if g.uuid.startswith(device_id)), device_id)
+
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         known = self.device_index()
-        ids = [
-            i if i in known else next((g.uuid for g in self.host.gpus if g.uuid.startswith(i)), i)
-            for i in plan.device_ids
-        ]
+        ids = [i if i in known else self.respelled(i, known) for i in plan.device_ids]
         return super().resolve(dataclasses.replace(plan, device_ids=tuple(ids)))
+
+
+class CaseInsensitiveIds(UuidPrefixIds):
+    """IDs match in any letter case ("GPU-ABC…" is "gpu-abc…"), as a case-folding lookup does."""
+
+    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
+        return next((k for k in known if k.lower() == device_id.lower()), device_id)
+
+
+class UniquePrefixIds(UuidPrefixIds):
+    """Any ID may be shortened to a prefix only it has, as git takes a commit's."""
+
+    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
+        matches = [k for k in known if k.startswith(device_id)]
+        return matches[0] if len(matches) == 1 else device_id
+
+
+class DevicePathIds(UuidPrefixIds):
+    """A device node's path names its GPU: /dev/nvidia3 is the GPU whose minor is 3."""
+
+    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
+        minor = device_id.removeprefix("/dev/nvidia")
+        gpu = next((g for g in self.inventory() if str(g.minor) == minor), None)
+        return self.device_ids(gpu)[0] if gpu is not None else device_id
 
 
 class AcceptsEveryDriversKeys(BrokenDriver):
