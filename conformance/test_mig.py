@@ -185,7 +185,7 @@ def test_requests_without_a_profile_never_get_a_gpu_in_mig_mode(
 def test_only_its_own_instances_capabilities_are_inside(
     driver: Driver, sandboxes: SandboxFactory
 ) -> None:
-    """A sandbox MUST hold its own instances' nvidia-caps nodes and no other instance's."""
+    """A sandbox MUST hold its own instances' nvidia-caps nodes, open, and no other's."""
     instances = _instances(driver)
     by_gpu = _by_gpu(instances)
     requests = [[instances[-1]], [migs[0] for migs in by_gpu.values()][:2]]
@@ -197,8 +197,13 @@ def test_only_its_own_instances_capabilities_are_inside(
         minors = sorted({mig.minor for mig in group if mig.minor is not None})
         nodes = sorted({node.minor for node in nvidia_gpu_nodes(seen)})
         assert nodes == minors, f"{[m.uuid for m in group]}'s GPU minors: {minors}, inside {nodes}"
-        # Its instances' capability nodes open: CUDA attaches to an instance through them.
+        # Its instances' nodes there, and open: CUDA attaches to an instance through its
+        # capability nodes.
         own = {(node.major, node.minor) for mig in group for node in mig.nodes}
+        missing = sorted(own - {(node.major, node.minor) for node in seen})
+        assert not missing, (
+            f"a sandbox given {[m.uuid for m in group]} lacks its nodes (major, minor) {missing}"
+        )
         refused = refused_nodes(sandbox, [n.path for n in seen if (n.major, n.minor) in own])
         assert not refused, f"a sandbox given {[m.uuid for m in group]} may not open {refused}"
         sandbox.close()

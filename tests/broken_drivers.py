@@ -1519,6 +1519,13 @@ class OmitsUvmNode(BrokenDriver):
         return kept
 
 
+class OmitsMigCapabilityNodes(OmitsUvmNode):
+    """Binds a MIG instance's GPU node but not its nvidia-caps nodes: CUDA cannot attach."""
+
+    BREAKS = "MIG-ISOLATION-01"
+    LEFT_OUT = "/dev/nvidia-caps/"
+
+
 class OmitsCtlNode(OmitsUvmNode):
     """Binds the GPUs' nodes and nvidia-uvm but not nvidiactl: nothing of NVIDIA's opens."""
 
