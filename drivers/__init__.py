@@ -30,15 +30,28 @@ class UnknownDriver(LookupError):
 
 
 def get_driver_class(name: str) -> type[Driver]:
-    """The driver class for a built-in ``name`` or a ``package.module:Class`` import path."""
+    """The driver class for a built-in ``name``, an import path, or ``exec:PATH``.
+
+    An import path is ``package.module:Class``; ``exec:PATH`` an external driver's manifest
+    (docs/external-drivers.md), refused naming the key when it is not valid.
+    """
     from drivers.base import Driver
+
+    if name.startswith("exec:"):
+        from drivers.external import driver_class
+        from drivers.external.manifest import ManifestError
+
+        try:
+            return driver_class(name.removeprefix("exec:"))
+        except ManifestError as exc:
+            raise UnknownDriver(f"driver {name!r}: {exc}") from exc
 
     target = REGISTRY.get(name, name)
     module_name, sep, class_name = target.partition(":")
     if not sep or not module_name or not class_name:
         raise UnknownDriver(
             f"unknown driver {name!r}; known: {', '.join(REGISTRY)}, "
-            "or an import path such as mypkg.mymodule:MyDriver"
+            "an import path such as mypkg.mymodule:MyDriver, or exec:PATH (a manifest)"
         )
     try:
         module = importlib.import_module(module_name)

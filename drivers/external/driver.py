@@ -1,0 +1,414 @@
+"""The adapter: a ``Driver`` whose every operation runs one of a manifest's argv templates.
+
+``Driver.create`` plans and (``allocation: host-registry``) leases as for any built-in
+driver; ``start`` renders the create template with the leased GPUs' IDs and runs it. Every
+command runs in a process group of its own, under the manifest's timeout: at expiry the
+group gets SIGTERM, then SIGKILL, and the suite's typed error is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
+from drivers.external.manifest import RESERVED_CONFIG_KEYS, Manifest
+from drivers.external.templates import CreateRequest, render, render_create
+from gpuhost.devices import CDI_KIND, GpuDevice
+from gpuhost.errors import (
+    DriverError,
+    InvalidDriverConfig,
+    SandboxExecError,
+    SandboxStartError,
+    shown,
+)
+from gpuhost.leases import Holder
+from gpuhost.procfs import kill_marked
+from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan
+
+PIPE = subprocess.PIPE
+TERM_GRACE_S = 2.0
+"""How long a timed-out command's process group has between SIGTERM and SIGKILL."""
+REAP_POLL_S = 0.2
+FORM_TEXT = {
+    "index": "a host index",
+    "uuid": "a UUID (GPU-…, MIG-…)",
+    "cdi": "a CDI name (<kind>=<index>, <kind>=<UUID>, <kind>=<gpu>:<instance>)",
+    "pci": "a PCI address",
+    "dri": "an AMD or Intel GPU's DRI node path",
+}
+CONFIG_TYPES: Mapping[str, type | tuple[type, ...]] = {
+    "string": str, "integer": int, "boolean": bool, "list": list,
+}  # fmt: skip
+
+
+class ExternalDriverError(DriverError):
+    """An operation of an external driver failed: its command, exit code and stderr."""
+
+
+class OperationTimedOut(ExternalDriverError):
+    """An operation ran past the manifest's timeout; its process group was killed."""
+
+
+def terminate_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group of ``process``, then SIGKILL it after ``TERM_GRACE_S``."""
+    for sig, grace in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+        if grace is None:
+            break
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; what it started may not be: the group still gets SIGKILL.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], stdout: int = PIPE, stderr: int = PIPE
+) -> subprocess.Popen[bytes]:
+    """``argv`` started in a process group of its own, no stdin, ``env`` over ours."""
+    return subprocess.Popen(
+        list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        start_new_session=True, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def finish(
+    process: subprocess.Popen[bytes], timeout: float, needle: bytes | None = None
+) -> tuple[bytes, bytes] | None:
+    """Its output, once it ends within ``timeout``; None once it is killed at the timeout.
+
+    At the timeout its process group is killed, and, given a ``needle``, every process
+    carrying it (what an exec started, wherever it went).
+    """
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if needle is not None:
+            kill_marked(needle)
+        terminate_group(process)
+        process.communicate()
+        return None
+    return out or b"", err or b""
+
+
+def run_operation(
+    argv: Sequence[str], timeout: float, what: str
+) -> subprocess.CompletedProcess[bytes]:
+    """Run ``argv`` in a process group of its own, within ``timeout`` seconds.
+
+    ``OperationTimedOut`` (with "timeout" in its message) once the group is killed;
+    ``ExternalDriverError`` when the program cannot be started.
+    """
+    try:
+        process = spawn(argv, {})
+    except OSError as exc:
+        raise ExternalDriverError(f"{what}: cannot run {shown(list(argv))}: {exc}") from exc
+    output = finish(process, timeout)
+    if output is None:
+        raise OperationTimedOut(
+            f"{what}: {shown(list(argv))} ran past its timeout of {timeout:g} s; its process "
+            "group was sent SIGTERM, then SIGKILL"
+        )
+    return subprocess.CompletedProcess(list(argv), process.returncode, *output)
+
+
+def checked(done: subprocess.CompletedProcess[bytes], what: str) -> str:
+    """The stdout of a command that succeeded; ``ExternalDriverError`` naming it otherwise."""
+    if done.returncode != 0:
+        raise ExternalDriverError(
+            f"{what}: {shown(done.args)} exited {done.returncode}: "
+            f"{done.stderr.decode(errors='replace').strip()}"
+        )
+    return done.stdout.decode(errors="replace")
+
+
+class ExternalDriver(Driver):
+    """A driver judged through its CLI: each class is one manifest (``exec:PATH``)."""
+
+    manifest: ClassVar[Manifest]
+
+    # -- what the manifest declares ----------------------------------------------------
+
+    @property
+    def capabilities(self) -> DriverCapabilities:
+        caps = self.manifest.capabilities
+        most = caps["maxGpusPerSandbox"]
+        forms = caps.get("idForms", ())
+        return DriverCapabilities(
+            max_gpus_per_sandbox=max(1, len(self.exact_devices())) if most == "all" else most,
+            exact_ids=caps["exactIds"],
+            exact_id_forms=", ".join(FORM_TEXT[form] for form in forms),
+            exclusive=caps.get("exclusive", True),
+            shared=caps.get("shared", False),
+            mig_profiles=caps.get("mig", False),
+            vendors=tuple(caps.get("vendors", ("nvidia",))),
+            config_keys=tuple(self.manifest.driver_config),
+        )
+
+    def values(self, **more: str) -> dict[str, str]:
+        """The variables every template may name, and ``more``."""
+        kind = self.host.gpus[0].cdi_kind if self.host.gpus else CDI_KIND
+        return {
+            "session_id": self.session_id, "driver": self.name, "cdi_kind": kind, **more,
+        }  # fmt: skip
+
+    def operation(self, op: str, what: str, **more: str) -> subprocess.CompletedProcess[bytes]:
+        """Run the template ``op`` with ``more`` variables, under its timeout."""
+        argv = render(self.manifest.templates[op], self.values(**more))
+        return run_operation(argv, self.manifest.timeouts[op], f"{self.name} {what}")
+
+    # -- the devices -------------------------------------------------------------------
+
+    def _takes(self, gpu: GpuDevice) -> bool:
+        caps = self.manifest.capabilities
+        if gpu.vendor not in caps.get("vendors", ("nvidia",)):
+            return False
+        if gpu.is_mig and not caps.get("mig", False):
+            return False
+        return not self.manifest.host_registry or bool(self.device_ids(gpu))
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        return tuple(gpu for gpu in self.host.default_devices if self._takes(gpu))
+
+    def exact_devices(self) -> tuple[GpuDevice, ...]:
+        return tuple(gpu for gpu in self.host.devices if self._takes(gpu))
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return tuple(
+            gpu for gpu in self.host.pool(plan.vendor, plan.mig_profile) if self._takes(gpu)
+        )
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        ids: list[str] = []
+        for form in self.manifest.capabilities.get("idForms", ()):
+            if form == "index" and gpu.vendor == "nvidia" and not gpu.is_mig:
+                ids.append(str(gpu.index))
+            elif form == "uuid":
+                ids.append(gpu.uuid)
+            elif form == "cdi":
+                ids.extend(gpu.cdi_names)
+            elif form == "pci" and not gpu.is_mig:
+                ids.append(gpu.pci_bus_id)
+            elif form == "dri" and gpu.vendor != "nvidia":
+                ids.extend(node.path for node in gpu.nodes if "/dri/" in node.path)
+        return tuple(dict.fromkeys(ids))
+
+    # -- the create sequence's hooks -----------------------------------------------------
+
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        for key, declared in self.manifest.driver_config.items():
+            if key in request.config:
+                value = request.config[key]
+                kind = CONFIG_TYPES[declared.type]
+                wrong_bool = isinstance(value, bool) and declared.type != "boolean"
+                if wrong_bool or not isinstance(value, kind):
+                    raise InvalidDriverConfig(
+                        request.field(key), value,
+                        f"{request.field(key)} must be a {declared.type}, got {shown(value)}",
+                    )  # fmt: skip
+        return super().plan(request)
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if self.manifest.host_registry:
+            return super().allocate(sandbox_id, plan)
+        return ()  # the driver chooses: nothing is leased here
+
+    def abandon(self, sandbox_id: str) -> None:
+        if self.manifest.host_registry:
+            super().abandon(sandbox_id)
+
+    def create_request(self, launch: Launch) -> CreateRequest:
+        """The request in the templates' terms (``allocation`` decides whose devices)."""
+        request, plan = launch.request, launch.plan
+        nodes: tuple[tuple[str, str], ...] = ()
+        mounts: tuple[tuple[str, str], ...] = ()
+        if self.manifest.host_registry:
+            # NVIDIA's devices by their first ID; AMD's and Intel's by their nodes when the
+            # manifest has a dri_node fragment, as containers take them.
+            devices = tuple(
+                (self.device_ids(gpu)[0], gpu.uuid)
+                for gpu in launch.gpus
+                if gpu.vendor == "nvidia" or "dri_node" not in self.manifest.fragments
+            )
+            dri = [gpu for gpu in launch.gpus if gpu.vendor != "nvidia"]
+            nodes = tuple(dict.fromkeys((n.path, str(n.source)) for g in dri for n in g.nodes))
+            if dri and len(dri) == len(launch.gpus):
+                mounts = tuple((str(src), target) for src, target in self.host.tool_mounts)
+            gpu = None
+        else:
+            resolved = plan.gpus if plan is not None else ()
+            devices = tuple(
+                (device_id, resolved[i].uuid if i < len(resolved) else "")
+                for i, device_id in enumerate(plan.device_ids if plan is not None else ())
+            )
+            gpu = plan.count if plan is not None and not plan.device_ids else None
+        count = request.gpu.count if request.gpu is not None else None
+        return CreateRequest(
+            image=request.image or self.image or self.manifest.default_image or "",
+            count=plan.count if plan is not None and count is not None else None,
+            gpu=gpu,
+            devices=devices,
+            dri_nodes=nodes if "dri_node" in self.manifest.fragments else (),
+            tool_mounts=mounts,
+            shared=plan is not None and plan.sharing == SHARED,
+            image_set=request.image is not None,
+            env=dict(request.env),
+            mig_profile=plan.mig_profile if plan is not None else None,
+            vendor=plan.vendor if plan is not None else None,
+            config={k: v for k, v in request.config.items() if k not in RESERVED_CONFIG_KEYS},
+        )
+
+    def create_argv(self, sandbox_id: str, request: CreateRequest) -> list[str]:
+        return render_create(self.manifest, request, self.values(sandbox_id=sandbox_id))
+
+    def start(self, launch: Launch) -> ExternalSandbox:
+        sid = launch.sandbox_id
+        argv = self.create_argv(sid, self.create_request(launch))
+        what = f"create of sandbox {sid}"
+        try:
+            out = checked(run_operation(argv, self.manifest.timeouts["create"], what), what)
+        except ExternalDriverError as exc:
+            self._discard(sid, sid)
+            raise SandboxStartError(str(exc)) from exc
+        native = out.strip().splitlines()[-1].strip() if out.strip() else ""
+        if self.manifest.sandbox_id == "adapter":
+            native = sid
+        if not native:
+            self._discard(sid, sid)
+            raise SandboxStartError(f"{what}: {shown(argv)} printed no sandbox id on stdout")
+        try:
+            holder = Holder.process(os.getpid())
+            if "ready" in self.manifest.templates:
+                checked(self.operation("ready", f"ready of {sid}", sandbox_id=sid, id=native), what)
+            if "pid" in self.manifest.templates:
+                done = self.operation("pid", f"pid of {sid}", sandbox_id=sid, id=native)
+                text = checked(done, f"pid of {sid}").strip()
+                if not text.isdigit():
+                    raise ExternalDriverError(f"pid of {sid}: printed {shown(text)}, not a pid")
+                holder = Holder.process(int(text))
+        except (ExternalDriverError, OSError) as exc:
+            self._discard(sid, native)
+            raise SandboxStartError(str(exc)) from exc
+        gpus = launch.gpus if self.manifest.host_registry else (
+            launch.plan.gpus if launch.plan is not None else ()
+        )  # fmt: skip
+        return ExternalSandbox(self, sid, native, gpus, holder)
+
+    def _discard(self, sandbox_id: str, native: str) -> None:
+        """Close what a failed create may have left; its own failure is not the story."""
+        with contextlib.suppress(ExternalDriverError):
+            self.operation("close", f"close of {sandbox_id}", sandbox_id=sandbox_id, id=native)
+
+    # -- the rest of the contract -----------------------------------------------------------
+
+    def probe(self) -> Availability:
+        program = self.manifest.templates["create"][0]
+        if shutil.which(program) is None:
+            return Availability(False, f"needed {program} on PATH (found none)")
+        try:
+            self.sandboxes(self.session_id)
+        except ExternalDriverError as exc:
+            return Availability(False, f"needed the list template to answer (found: {exc})")
+        return Availability(True)
+
+    def sandboxes(self, session_id: str) -> list[str]:
+        done = self.operation("list", "list", session_id=session_id)
+        text = checked(done, f"{self.name} list of session {session_id}")
+        return sorted({line.strip() for line in text.splitlines() if line.strip()})
+
+    def reap(self, session_id: str) -> list[str]:
+        found = left = self.sandboxes(session_id)
+        deadline = time.monotonic() + self.manifest.timeouts["reap"]
+        # Again until list shows none: a CLI may remove only some at a time (podman 4.3's
+        # `rm --filter` does), or they may take a while to go.
+        while left and time.monotonic() < deadline:
+            done = self.operation("reap", "reap", session_id=session_id)
+            checked(done, f"{self.name} reap of {session_id}")
+            left = self.sandboxes(session_id)
+            if left:
+                time.sleep(REAP_POLL_S)
+        if left:
+            raise ExternalDriverError(f"{self.name} reap of {session_id} left {left}")
+        released = (
+            self.host.leases.release_session(session_id, driver=self.name)
+            if self.manifest.host_registry
+            else []
+        )
+        return sorted(set(found) | {lease.sandbox_id for lease in released})
+
+    def version(self) -> str:
+        if "version" not in self.manifest.templates:
+            return ""
+        text = checked(self.operation("version", "version"), f"{self.name} version")
+        return text.strip().splitlines()[0] if text.strip() else ""
+
+
+class ExternalSandbox(Sandbox):
+    """A sandbox of an external driver: ``native_id`` is the driver's own id (``{id}``)."""
+
+    def __init__(
+        self, adapter: ExternalDriver, sandbox_id: str, native_id: str, gpus: tuple[GpuDevice, ...],
+        holder: Holder,
+    ) -> None:  # fmt: skip
+        leases = adapter.host.leases if adapter.manifest.host_registry else None
+        super().__init__(sandbox_id, adapter.name, gpus, holder, leases)
+        self.native_id = native_id
+        self._adapter = adapter
+
+    def values(self) -> dict[str, str]:
+        return self._adapter.values(sandbox_id=self.id, id=self.native_id)
+
+    def exec_argv(self, command: Command) -> list[str]:
+        manifest = self._adapter.manifest
+        env = tuple({"env_key": k, "env_value": v} for k, v in command.env.items())
+        argv = render(manifest.templates["exec"], self.values(), {"env": env}, manifest.fragments)
+        return [*argv, *command.argv]
+
+    def run(self, command: Command, output: Output) -> int:
+        argv = self.exec_argv(command)
+        fds = output.fds or (PIPE, PIPE)
+        try:
+            # The marker in the CLI's own environment too: a timeout finds it on this host.
+            process = spawn(argv, command.env, *fds)
+        except OSError as exc:
+            raise SandboxExecError(f"cannot run {shown(argv)}: {exc}") from exc
+        done = finish(process, command.timeout, command.needle)
+        if done is None:
+            raise CommandTimedOut
+        out, err = done
+        if output.fds is None:
+            output.stdout(out)
+            output.stderr(err)
+        if process.returncode in self._adapter.manifest.driver_error_codes:
+            said = err.decode(errors="replace").strip()
+            raise SandboxExecError(
+                f"{self.driver}'s exec {shown(argv)} failed with its own exit code "
+                f"{process.returncode} (the manifest's driverErrorCodes): {said}"
+            )
+        if process.returncode < 0:
+            raise SandboxExecError(
+                f"{self.driver}'s exec {shown(argv)} was killed by signal {-process.returncode}"
+            )
+        return process.returncode
+
+    def stop(self) -> None:
+        done = self._adapter.operation("close", f"close of {self.id}", **self.values())
+        checked(done, f"{self.driver} close of {self.id}")
+
+    def kill(self) -> None:
+        if "kill" in self._adapter.manifest.templates:
+            done = self._adapter.operation("kill", f"kill of {self.id}", **self.values())
+            checked(done, f"{self.driver} kill of {self.id}")
+        else:
+            self.stop()

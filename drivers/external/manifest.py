@@ -1,0 +1,236 @@
+"""An external driver's manifest: read, checked against the schema, then against itself.
+
+Every refusal is a ``ManifestError`` naming the key (a dotted path, ``templates.create[3]``)
+and the value, raised before any sandbox is made.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from drivers.external.schema import FRAGMENTS, SCHEMA
+from gpuhost.errors import shown
+
+VARIABLE = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_.]*)\}(?!\})")
+"""``{name}``: a variable. Doubled braces (a Go template's ``{{.Names}}``) are left as they are."""
+SPLICE = re.compile(r"\{@([a-z_]+)\}")
+"""An element that is exactly ``{@fragment}``: replaced by that fragment's arguments."""
+
+COMMON = ("session_id", "sandbox_id", "driver", "cdi_kind")
+AFTER_CREATE = (*COMMON, "id")
+TEMPLATE_VARIABLES: Mapping[str, tuple[str, ...]] = {
+    "create": (*COMMON, "image"),
+    "ready": AFTER_CREATE,
+    "pid": AFTER_CREATE,
+    "exec": AFTER_CREATE,
+    "close": AFTER_CREATE,
+    "kill": AFTER_CREATE,
+    "list": ("session_id", "driver", "cdi_kind"),
+    "reap": ("session_id", "driver", "cdi_kind"),
+    "version": ("driver",),
+}
+"""The variables each template may name."""
+TEMPLATE_SPLICES: Mapping[str, tuple[str, ...]] = {
+    "create": (*FRAGMENTS, "config"),
+    "exec": ("env",),
+}
+"""The fragments each template may splice in with ``{@name}``."""
+FRAGMENT_VARIABLES: Mapping[str, tuple[str, ...]] = {
+    "count": ("count",),
+    "gpu": ("count", "cdi_kind"),
+    "device": ("device_id", "uuid", "cdi_kind"),
+    "dri_node": ("node_path", "node_source"),
+    "tool_mount": ("mount_source", "mount_target"),
+    "shared": (),
+    "image": ("image",),
+    "env": ("env_key", "env_value"),
+    "mig_profile": ("mig_profile",),
+    "vendor": ("vendor",),
+}
+DEFAULT_TIMEOUTS: Mapping[str, float] = {
+    "create": 120.0, "ready": 60.0, "pid": 30.0, "close": 60.0, "kill": 30.0, "list": 30.0,
+    "reap": 120.0, "version": 10.0,
+}  # fmt: skip
+RESERVED_CONFIG_KEYS = ("gpu_device_ids", "mig_profile", "vendor")
+
+
+class ManifestError(ValueError):
+    """A manifest the adapter refuses: ``key`` is where, ``value`` what was found there."""
+
+    def __init__(self, path: Path | str, key: str, value: object, message: str) -> None:
+        super().__init__(f"{path}: {key}: {message} (got {shown(value)})")
+        self.path = str(path)
+        self.key = key
+        self.value = value
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    type: str
+    fragment: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checked manifest (the schema's camelCase keys, as Python names)."""
+
+    path: Path
+    name: str
+    allocation: str
+    sandbox_id: str
+    capabilities: Mapping[str, Any]
+    templates: Mapping[str, tuple[str, ...]]
+    fragments: Mapping[str, tuple[str, ...]]
+    timeouts: Mapping[str, float]
+    driver_error_codes: frozenset[int]
+    driver_config: Mapping[str, ConfigKey] = field(default_factory=dict)
+    default_image: str | None = None
+    description: str = ""
+
+    @property
+    def host_registry(self) -> bool:
+        return self.allocation == "host-registry"
+
+
+def load(path: Path | str) -> Manifest:
+    """The manifest at ``path``, checked; ``ManifestError`` naming the key otherwise."""
+    import yaml
+
+    path = Path(path).resolve()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ManifestError(path, "(file)", str(path), f"cannot read the manifest: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError(path, "(file)", str(path), f"not YAML: {exc}") from exc
+    return parse(data, path)
+
+
+def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
+    """``data`` (a manifest as YAML reads it) checked against the schema, then against itself."""
+    check_schema(data, path)
+    manifest = Manifest(
+        path=Path(path),
+        name=data["name"],
+        allocation=data["allocation"],
+        sandbox_id=data.get("sandboxId", "stdout"),
+        capabilities=data["capabilities"],
+        templates={op: tuple(argv) for op, argv in data["templates"].items()},
+        fragments={name: tuple(args) for name, args in data.get("fragments", {}).items()},
+        timeouts={**DEFAULT_TIMEOUTS, **data.get("timeouts", {})},
+        driver_error_codes=frozenset(data.get("exec", {}).get("driverErrorCodes", ())),
+        driver_config={
+            key: ConfigKey(item["type"], tuple(item["fragment"]))
+            for key, item in data.get("driverConfig", {}).items()
+        },
+        default_image=data.get("defaultImage"),
+        description=data.get("description", ""),
+    )
+    check_coherent(manifest, path)
+    return manifest
+
+
+def check_schema(data: Any, path: Path | str) -> None:
+    """Every schema violation, the first one's key and value in the error's attributes."""
+    try:
+        import jsonschema
+    except ImportError as exc:  # a dev dependency: say what is missing
+        raise ManifestError(
+            path, "(schema)", "jsonschema", "validating a manifest needs the jsonschema package"
+        ) from exc
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    if not errors:
+        return
+    found = [_located(error) for error in errors]
+    key, value, message = found[0]
+    more = "".join(f"; {k}: {m} (got {shown(v)})" for k, v, m in found[1:])
+    raise ManifestError(path, key, value, message + more)
+
+
+def _located(error: Any) -> tuple[str, Any, str]:
+    """The key, value and message of one schema error; an unknown key is named itself."""
+    at = _dotted(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, Mapping):
+        known = set(error.schema.get("properties", {}))
+        extra = sorted(str(key) for key in error.instance if key not in known)
+        if extra:
+            key = f"{at}.{extra[0]}" if at else extra[0]
+            allowed = ", ".join(sorted(known)) or "none"
+            return key, error.instance[extra[0]], f"unknown key {extra[0]!r} (known: {allowed})"
+    if error.validator == "required":
+        return at or "(top)", error.instance, error.message
+    if error.validator == "const":
+        return at, error.instance, f"must be {error.validator_value!r}"
+    if error.validator == "enum":
+        return at, error.instance, f"must be one of {', '.join(map(str, error.validator_value))}"
+    return at or "(top)", error.instance, error.message
+
+
+def _dotted(parts: Any) -> str:
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def check_coherent(manifest: Manifest, path: Path | str) -> None:
+    """What the schema cannot say: variables each template knows, splices, reserved keys."""
+    for op, argv in manifest.templates.items():
+        splices = TEMPLATE_SPLICES.get(op, ())
+        for i, arg in enumerate(argv):
+            key = f"templates.{op}[{i}]"
+            splice = SPLICE.fullmatch(arg)
+            if splice:
+                _check_known(path, key, arg, f"fragment {{@{splice.group(1)}}}", splices)
+                continue
+            if "{@" in arg:
+                raise ManifestError(path, key, arg, "a {@fragment} must be a whole element")
+            _check_variables(path, key, arg, TEMPLATE_VARIABLES[op])
+    for name, args in manifest.fragments.items():
+        for i, arg in enumerate(args):
+            _check_variables(
+                path, f"fragments.{name}[{i}]", arg, (*COMMON, *FRAGMENT_VARIABLES[name])
+            )
+    for name, item in manifest.driver_config.items():
+        if name in RESERVED_CONFIG_KEYS:
+            raise ManifestError(
+                path, f"driverConfig.{name}", name, "a key the request model reads itself"
+            )
+        for i, arg in enumerate(item.fragment):
+            _check_variables(path, f"driverConfig.{name}.fragment[{i}]", arg, (*COMMON, "value"))
+    caps = manifest.capabilities
+    if caps["exactIds"] and not caps.get("idForms"):
+        raise ManifestError(
+            path, "capabilities.idForms", caps.get("idForms"), "exactIds needs the ID forms"
+        )
+    if manifest.host_registry and "device" not in manifest.fragments:
+        raise ManifestError(
+            path, "fragments.device", None,
+            "allocation host-registry hands create the leased GPUs through a device fragment",
+        )  # fmt: skip
+    if manifest.host_registry and not caps.get("idForms"):
+        raise ManifestError(
+            path, "capabilities.idForms", None,
+            "allocation host-registry names the leased GPUs in one of the driver's ID forms",
+        )  # fmt: skip
+
+
+def _check_variables(path: Path | str, key: str, arg: str, known: tuple[str, ...]) -> None:
+    for match in VARIABLE.finditer(arg):
+        _check_known(path, key, arg, f"variable {{{match.group(1)}}}", known)
+
+
+def _check_known(path: Path | str, key: str, arg: str, what: str, known: tuple[str, ...]) -> None:
+    """Refuse ``what`` (a variable or a fragment, as written) unless its name is ``known``."""
+    name = what.split("{", 1)[1].strip("@}")
+    if name not in known:
+        raise ManifestError(
+            path, key, arg, f"unknown {what} here (known here: {', '.join(known) or 'none'})"
+        )

@@ -1,0 +1,160 @@
+"""The JSON Schema of an external driver's manifest, published as a file.
+
+docs/external-driver.schema.json is it (``python -m drivers.external.schema`` prints it).
+
+The schema is held here, in the package, so that an installed suite validates without its
+docs; a self-test checks that the published file is this one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Final
+
+API_VERSION: Final = "gpu-sandbox.dev/v1alpha1"
+KIND: Final = "Driver"
+ID_FORMS: Final = ("index", "uuid", "cdi", "pci", "dri")
+"""What an exact ID may be: a host index, a UUID (``GPU-``/``MIG-``), a CDI name
+(``<kind>=<index>``, ``<kind>=<uuid>``, ``<kind>=<gpu>:<instance>``), a PCI address, an
+AMD or Intel GPU's DRI node path (``/dev/dri/card1``)."""
+OPERATIONS: Final = ("create", "ready", "pid", "exec", "close", "kill", "list", "reap", "version")
+REQUIRED_OPERATIONS: Final = ("create", "exec", "close", "list", "reap")
+FRAGMENTS: Final = (
+    "count", "gpu", "device", "dri_node", "tool_mount", "shared", "image", "env", "mig_profile",
+    "vendor",
+)  # fmt: skip
+TIMED: Final = ("create", "ready", "pid", "close", "kill", "list", "reap", "version")
+
+_ARGV: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "string", "minLength": 1},
+    "description": "An argv template: a list of strings, never a shell string.",
+}
+_FRAGMENT: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "string"},
+    "description": "Arguments emitted only when the request sets the field.",
+}
+_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 3600}
+
+SCHEMA: Final[dict[str, Any]] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://gpu-sandbox.dev/schemas/external-driver/v1alpha1.json",
+    "title": "An external GPU sandbox driver, judged through command templates",
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "apiVersion",
+        "kind",
+        "name",
+        "mode",
+        "allocation",
+        "capabilities",
+        "templates",
+    ],
+    "properties": {
+        "apiVersion": {"const": API_VERSION},
+        "kind": {"const": KIND},
+        "name": {
+            "type": "string",
+            "pattern": "^[a-z][a-z0-9-]{0,62}$",
+            "description": "The driver's name: its block in template.driver_config, its leases.",
+        },
+        "description": {"type": "string"},
+        "mode": {"enum": ["templates"]},
+        "allocation": {
+            "enum": ["host-registry", "driver"],
+            "description": (
+                "host-registry: the adapter leases the GPUs from the host-wide registry and "
+                "names them to create; driver: the request goes to the driver as given."
+            ),
+        },
+        "sandboxId": {
+            "enum": ["stdout", "adapter"],
+            "default": "stdout",
+            "description": "stdout: create prints the driver's id; adapter: {sandbox_id} is it.",
+        },
+        "defaultImage": {"type": "string", "minLength": 1},
+        "capabilities": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["maxGpusPerSandbox", "exactIds"],
+            "properties": {
+                "maxGpusPerSandbox": {
+                    "oneOf": [{"type": "integer", "minimum": 1}, {"const": "all"}],
+                },
+                "exactIds": {"type": "boolean"},
+                "idForms": {
+                    "type": "array",
+                    "items": {"enum": list(ID_FORMS)},
+                    "uniqueItems": True,
+                    "minItems": 1,
+                },
+                "exclusive": {"type": "boolean", "default": True},
+                "shared": {"type": "boolean", "default": False},
+                "mig": {"type": "boolean", "default": False},
+                "vendors": {
+                    "type": "array",
+                    "items": {"enum": ["nvidia", "amd", "intel"]},
+                    "uniqueItems": True,
+                    "minItems": 1,
+                    "default": ["nvidia"],
+                },
+                "exhaustionGraceSeconds": _SECONDS,
+            },
+        },
+        "driverConfig": {
+            "type": "object",
+            "description": "The keys of its own block, beside gpu_device_ids, mig_profile, vendor.",
+            "propertyNames": {"pattern": "^[a-z][a-z0-9_]{0,62}$"},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["type", "fragment"],
+                "properties": {
+                    "type": {"enum": ["string", "integer", "boolean", "list"]},
+                    "fragment": _FRAGMENT,
+                },
+            },
+        },
+        "timeouts": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {name: _SECONDS for name in TIMED},
+        },
+        "templates": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": list(REQUIRED_OPERATIONS),
+            "properties": {name: _ARGV for name in OPERATIONS},
+        },
+        "fragments": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {name: _FRAGMENT for name in FRAGMENTS},
+        },
+        "exec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "driverErrorCodes": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 1, "maximum": 255},
+                    "uniqueItems": True,
+                    "description": "Exit codes of the CLI's own failures, not the command's.",
+                },
+            },
+        },
+    },
+}
+
+
+def main() -> None:
+    sys.stdout.write(json.dumps(SCHEMA, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
