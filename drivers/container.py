@@ -36,6 +36,7 @@ from drivers.base import (
     Sandbox,
     write_all,
 )
+from drivers.images import DEFAULT_IMAGE
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, DeviceNode, GpuDevice
 from gpuhost.errors import (
@@ -48,8 +49,6 @@ from gpuhost.procfs import kill_marked
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
-DEFAULT_IMAGE = "gpu-sandbox-busybox:latest"
-"""The base image ``make engines`` builds from a busybox rootfs (no registry needed)."""
 LABEL_PREFIX = "io.gpu-sandbox."
 SESSION_LABEL = LABEL_PREFIX + "session"
 SANDBOX_LABEL = LABEL_PREFIX + "sandbox"

@@ -536,8 +536,8 @@ start_plugins() {
 
 publish_gpus() {
   # The GPUs the node's device plugins serve, by UUID, index, PCI address and device node:
-  # the kubernetes driver reads them from this annotation (drivers/kubernetes.py), since the
-  # API says only how many a node has.
+  # the kubernetes driver reads them from this annotation (drivers/kubernetes/driver.py),
+  # since the API says only how many a node has.
   local gpus leaky
   gpus=$("$PYTHON" -m gpuhost.simulated show --json --root "$STATE/sim")
   leaky=$("$PYTHON" -m gpuhost.simulated show --json --root "$STATE/sim-leaky")
