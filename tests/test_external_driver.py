@@ -221,7 +221,7 @@ def test_an_operation_past_its_timeout_is_killed_with_its_process_group(tmp_path
         run_operation(["sh", "-c", script], 0.5, "create")
     assert time.monotonic() - started < 10
     child = int(pidfile.read_text())
-    assert not Path(f"/proc/{child}").exists() or _zombie(child), "the group outlived its timeout"
+    assert _gone(child), "the group outlived its timeout"
 
 
 def test_a_create_past_its_timeout_fails_typed_and_leaves_no_lease(
@@ -243,7 +243,17 @@ def test_an_exec_past_its_timeout_kills_what_it_started_even_in_a_new_session(
     with driver(host, "session-e").create(SandboxSpec()) as sandbox, pytest.raises(ExecTimeout):
         sandbox.exec(["sh", "-c", f"setsid sleep 300 & echo $! > {pidfile}; wait"], 1)
     child = int(pidfile.read_text())
-    assert not Path(f"/proc/{child}").exists() or _zombie(child)
+    assert _gone(child), "what the command started outlived its timeout"
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether ``pid`` has ended (or is a zombie) within ``within_s``: SIGKILL is not instant."""
+    deadline = time.monotonic() + within_s
+    while Path(f"/proc/{pid}").exists() and not _zombie(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _zombie(pid: int) -> bool:
@@ -330,3 +340,19 @@ def test_the_podman_cli_fails_the_catalogue_exactly_where_its_containers_outlive
     failed = {req for req in golden_ids() if verdicts[req] == "failed"}
     assert failed == PODMAN_CLI_FAILS, verdicts
     assert {verdicts[req] for req in golden_ids() - failed} <= {"passed", "not applicable"}
+
+
+def test_two_manifests_are_two_drivers_side_by_side(tmp_path: Path, host: GpuHost) -> None:
+    """Each exec:PATH is its own driver: its own name, block, sandboxes and leases."""
+    one = get_driver_class(f"exec:{write(tmp_path / 'a.yaml', sh_manifest(tmp_path / 'a'))}")
+    other = sh_manifest(tmp_path / "b", name="sh-other")
+    two = get_driver_class(f"exec:{write(tmp_path / 'b.yaml', other)}")
+    assert (one.name, two.name) == ("sh-files", "sh-other")
+    first, second = one(host, "side"), two(host, "side")
+    a = first.create(SandboxSpec.with_gpus())
+    b = second.create(SandboxSpec.with_gpus())
+    assert (first.sandboxes("side"), second.sandboxes("side")) == ([a.id], [b.id])
+    assert a.gpus != b.gpus, "two external drivers were given one GPU"
+    assert second.reap("side") == [b.id]
+    assert first.sandboxes("side") == [a.id]
+    a.close()
