@@ -356,3 +356,35 @@ def test_two_manifests_are_two_drivers_side_by_side(tmp_path: Path, host: GpuHos
     assert second.reap("side") == [b.id]
     assert first.sandboxes("side") == [a.id]
     a.close()
+
+
+def test_allocation_driver_hands_the_request_on_as_given_and_leases_nothing(
+    tmp_path: Path, host: GpuHost
+) -> None:
+    manifest = sh_manifest(tmp_path / "sb", allocation="driver")
+    manifest["fragments"]["gpu"] = ["--gpus={count}"]
+    manifest["templates"]["create"].insert(4, "{@gpu}")
+    driver = driver_class(write(tmp_path / "driver.yaml", manifest))(host, "session-d")
+    gpu1 = host.gpus[1]
+
+    def created(spec: SandboxSpec) -> list[str]:
+        with driver.create(spec) as sandbox:
+            assert host.leases.leases() == [], "allocation: driver leased a GPU"
+            return (tmp_path / "sb" / "session-d" / sandbox.id).read_text().split()
+
+    assert created(SandboxSpec.with_gpus()) == ["--gpus=1"]
+    assert created(SandboxSpec.with_gpus(2)) == ["--gpus=2", "--count=2"]
+    exact = SandboxSpec.with_gpus(driver="sh-files", device_ids=[gpu1.uuid])
+    assert created(exact) == [f"--device={gpu1.uuid}"]
+
+
+def test_a_fresh_process_is_told_to_build_the_same_external_driver(
+    tmp_path: Path, host: GpuHost
+) -> None:
+    """conformance.hold names a driver by module:qualname: for exec:PATH, exec:PATH itself."""
+    from conformance.hold import _name
+
+    path = write(tmp_path / "driver.yaml", sh_manifest(tmp_path / "sb"))
+    driver = driver_class(path)(host, "session-h")
+    assert _name(driver) == f"exec:{path.resolve()}"
+    assert get_driver_class(_name(driver)) is type(driver)
