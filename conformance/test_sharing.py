@@ -141,6 +141,7 @@ def test_a_shared_gpu_is_exclusive_again_only_after_its_last_sharer(
     if driver.host.share_limit < 3:
         pytest.skip(f"needs a share limit of 3 (--gpu-share-limit={driver.host.share_limit})")
     first = sandboxes(_shared(driver))
+    assert len(first.gpus) == 1, f"a shared default request got {uuids(first)}"
     gpu = first.gpus[0]
     device_id = driver.device_ids(gpu)[0]
     second = sandboxes(_shared(driver, device_id))

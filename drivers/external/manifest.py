@@ -138,12 +138,8 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
 
 def check_schema(data: Any, path: Path | str) -> None:
     """Every schema violation, the first one's key and value in the error's attributes."""
-    try:
-        import jsonschema
-    except ImportError as exc:  # a dev dependency: say what is missing
-        raise ManifestError(
-            path, "(schema)", "jsonschema", "validating a manifest needs the jsonschema package"
-        ) from exc
+    import jsonschema  # imported once a manifest is read: not at every start of the suite
+
     validator = jsonschema.Draft202012Validator(SCHEMA)
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     if not errors:
