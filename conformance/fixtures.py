@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TextIO
 import pytest
 
 from conformance import requirements
+from conformance.bounds import CreateBound
 from conformance.settings import Settings, settings_key
 from drivers.base import Driver, Sandbox
 from gpuhost.host import GpuHost
@@ -132,7 +133,9 @@ def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[No
     if marker is not None and have < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
     before = {lease.sandbox_id for lease in driver.host.leases.leases()}
-    with _every_sandbox_created(type(driver)) as made:
+    grace = exhaustion_grace(driver, settings)
+    bound = settings.create_bounds.setdefault(driver.name, CreateBound(grace))
+    with _every_sandbox_created(type(driver), bound) as made:
         yield
     try:
         _close(made)
@@ -141,14 +144,24 @@ def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[No
         _nothing_left(driver, before, settings.reclaim_timeout_s)
 
 
+def exhaustion_grace(driver: Driver, settings: Settings) -> float:
+    """How much longer than a create a refusal may take: --exhaustion-grace, or the driver's."""
+    if settings.exhaustion_grace_s is not None:
+        return settings.exhaustion_grace_s
+    return driver.exhaustion_grace_s
+
+
 @contextlib.contextmanager
-def _every_sandbox_created(cls: type[Driver]) -> Iterator[list[Sandbox]]:
-    """The sandboxes that drivers of ``cls`` create in this process meanwhile, any session."""
+def _every_sandbox_created(cls: type[Driver], bound: CreateBound) -> Iterator[list[Sandbox]]:
+    """The sandboxes that drivers of ``cls`` create in this process meanwhile, any session.
+
+    Each create within ``bound``: one that runs past it fails the test that made it.
+    """
     made: list[Sandbox] = []
     create = cls.create
 
     def recorded(self: Driver, spec: SandboxSpec) -> Sandbox:
-        sandbox = create(self, spec)
+        sandbox = bound.call(create, self, spec)
         made.append(sandbox)
         return sandbox
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from conformance.bounds import CreateBound
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver
 from gpuhost.host import GpuHost, HostConfig
@@ -28,6 +29,8 @@ class Settings:
     driver's own ``exhaustion_grace_s``."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Driver → why it cannot run here, once its probe said so (in this process)."""
+    create_bounds: dict[str, CreateBound] = field(default_factory=dict)
+    """Driver → its ``conformance.bounds.CreateBound``: the pace of its creates so far."""
 
     @functools.cached_property
     def host(self) -> GpuHost:

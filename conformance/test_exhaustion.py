@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.fixtures import SandboxFactory
+from conformance.fixtures import SandboxFactory, exhaustion_grace
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
     SIDE_BY_SIDE,
@@ -25,12 +25,6 @@ from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
 from gpuhost.spec import SandboxSpec
-
-
-def _grace(driver: Driver, settings: Settings) -> float:
-    if settings.exhaustion_grace_s is not None:
-        return settings.exhaustion_grace_s
-    return driver.exhaustion_grace_s
 
 
 def _create_within(
@@ -103,7 +97,7 @@ def test_more_than_free_fails_promptly_and_takes_nothing(
         sandbox.close()
     create_side_by_side(sandboxes, specs_for_gpus(driver, total - 1 - len(took)))
     # "Promptly": within what a create takes here, plus a grace the driver declares.
-    bound_s = statistics.median(took) + _grace(driver, settings)
+    bound_s = statistics.median(took) + exhaustion_grace(driver, settings)
     if driver.capabilities.max_gpus_per_sandbox >= 2:
         _expect_exhausted(sandboxes, 2, available=1, total=total, bound_s=bound_s)
     # The failed request took nothing: the last free GPU is still there.
@@ -135,7 +129,7 @@ def test_each_pool_says_its_own_numbers(
     for name, pool in pools.items():
         start = time.monotonic()
         held = sandboxes(SandboxSpec.with_gpus(driver=driver.name, block=block[name]))
-        bound_s = time.monotonic() - start + _grace(driver, settings)
+        bound_s = time.monotonic() - start + exhaustion_grace(driver, settings)
         asked = SandboxSpec.with_gpus(len(pool), driver=driver.name, block=block[name])
         outcome, _ = _create_within(sandboxes, asked, bound_s + 5)
         assert isinstance(outcome, GpusExhausted), (

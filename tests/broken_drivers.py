@@ -324,6 +324,19 @@ class NoLocking(BrokenDriver):
         super().__init__(host, session_id, image)
 
 
+class WaitsForAFreeGpu(BrokenDriver):
+    """A request for more GPUs than are free waits for them to free, instead of failing."""
+
+    BREAKS = "GPU-EXHAUST-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        while True:
+            try:
+                return super().allocate(sandbox_id, plan)
+            except GpusExhausted:
+                time.sleep(0.2)  # "a GPU will free up soon"
+
+
 class CheckThenTakeOneByOne(BrokenDriver):
     """Checks that enough GPUs are free, then takes them one by one, each under the lock.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,20 @@ def test_on_one_gpu_a_driver_that_leaves_out_a_cuda_node_fails_isolation(
 ) -> None:
     """Without the workload lane: most CI runners have one GPU."""
     assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_drivers", 1)
+
+
+def test_a_driver_that_never_refuses_fails_by_name_without_waiting_out_the_test_bound(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Each create is bounded by the driver's own pace: no test waits out the 900 s bound."""
+    name = "tests.broken_drivers:WaitsForAFreeGpu"
+    asked = ["GPU-DEFAULT-02", "MIG-PROFILE-01", "DRI-EXCLUSIVE-01"]
+    start = time.monotonic()
+    result, run = run_catalogue(pytester, tmp_path, name, 8, f"--requirement={','.join(asked)}")
+    took = time.monotonic() - start
+    failed = {req for req, cells in result["matrix"].items() if cells[name] == "failed"}
+    assert failed == set(asked), result["matrix"]
+    hung = [test for test in result["tests"] if "did not return within" in test["message"]]
+    assert {test["requirement"] for test in hung} == set(asked), result["tests"]
+    assert took < 120, f"the catalogue took {took:.0f} s on a driver that never refuses"
+    run.stdout.fnmatch_lines([f"{name}: FAIL — *"])
