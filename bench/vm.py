@@ -32,6 +32,7 @@ from bench.__main__ import interleaved_medians, sandbox_lifecycle
 from bench.lane import time_lane
 from drivers import vm
 from drivers.vm import VmDriver
+from drivers.vm.qemu import root_ports
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.simulated.pci_proxy import GpuFunction
@@ -53,7 +54,7 @@ def bare_boot(driver: VmDriver, lock_dir: Path) -> None:
         argv = argv[argv.index("--") + 1 :]  # qemu itself, without setpriv
         argv[argv.index("-append") + 1] += " gpu_sandbox.oneshot=1"
         argv[argv.index("-serial") - 1] = f"file,id=console,path={tmp}/console.log"
-        argv += vm._root_ports([gpu.pci_bus_id])
+        argv += root_ports([gpu.pci_bus_id])
         argv += ["-device", f"x-pci-proxy-dev,id=gpu0,fd={fd},bus=port0,addr=0x0"]
         try:
             done = subprocess.run(

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
 import os
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -43,7 +41,15 @@ from drivers.base import (
     Driver,
     Launch,
     Output,
-    Sandbox,
+)
+from drivers.host_process import (
+    HOST_ENV,
+    HOST_PATH,
+    HostProcessSandbox,
+    SandboxProcesses,
+    missing_tools,
+    run_tool,
+    tool,
 )
 from gpuhost.devices import DeviceNode, GpuDevice
 from gpuhost.errors import SandboxExecError, SandboxStartError
@@ -55,7 +61,7 @@ from gpuhost.leases import (
     process_running,
     process_start_time,
 )
-from gpuhost.procfs import each_process, kill_if, kill_marked
+from gpuhost.procfs import kill_marked
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
@@ -69,15 +75,11 @@ _MOUNT_CHURN = "Unable to apply mount flags: remount"
 CLOSE_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 5.0
 """After SIGKILL a process is gone in milliseconds; seconds mean something holds its pipes."""
-REAP_TIMEOUT_S = 10.0
 VERSION_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
 SANDBOX_UID = 1_999_000_000
 """The host uid and gid of a root-run sandbox: no account's, and no other process's."""
-_BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-HOST_ENV = {"PATH": _BASE_PATH, "LANG": "C.UTF-8"}
-"""The environment of the host-side bwrap and nsenter: fixed, never the user's."""
 _TOOLS = ("bwrap", "nsenter", "setpriv", "env")
 _SYSTEM_DIRS = tuple(
     Path("/", name)
@@ -124,11 +126,11 @@ class ReferenceDriver(Driver):
         )
 
     def probe(self) -> Availability:
-        missing = [tool for tool in _TOOLS if not shutil.which(tool, path=_BASE_PATH)]
+        missing = missing_tools(_TOOLS)
         if missing:
             return Availability(
                 False,
-                f"needed {', '.join(missing)} in {_BASE_PATH} (found none; "
+                f"needed {', '.join(missing)} in {HOST_PATH} (found none; "
                 "apt-get install bubblewrap util-linux coreutils)",
             )
         if not self.host.gpus:
@@ -157,18 +159,8 @@ class ReferenceDriver(Driver):
         return Availability(True)
 
     def version(self) -> str:
-        try:
-            result = subprocess.run(
-                [tool("bwrap"), "--version"],
-                capture_output=True,
-                text=True,
-                check=False,
-                env=HOST_ENV,
-                timeout=VERSION_TIMEOUT_S,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return ""
-        return result.stdout.strip() if result.returncode == 0 else ""
+        result = run_tool([tool("bwrap"), "--version"], VERSION_TIMEOUT_S)
+        return result.stdout.strip() if result is not None and result.returncode == 0 else ""
 
     def inventory(self) -> tuple[GpuDevice, ...]:
         return self.host.default_devices
@@ -297,20 +289,9 @@ class ReferenceDriver(Driver):
         return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
 
     def reap(self, session_id: str) -> list[str]:
-        found = _bwrap_processes(session_id)
-        for sandbox_id, pid in found:
-            kill_if(pid, functools.partial(_is_sandbox, session_id=session_id, sandbox=sandbox_id))
-
-        # SIGKILL is delivered asynchronously: wait until the processes are really gone.
-        wait_for(
-            lambda: _bwrap_processes(session_id),
-            lambda left: not left,
-            timeout_s=REAP_TIMEOUT_S,
-            what=f"the sandboxes of session {session_id} to exit",
-            hint="a bwrap process that outlives SIGKILL is stuck in the kernel (D state)",
-        )
+        reaped = BWRAP_PROCESSES.reap(session_id)
         released = self.host.leases.release_session(session_id, driver=self.name)
-        return sorted({sandbox_id for sandbox_id, _ in found} | {x.sandbox_id for x in released})
+        return sorted({*reaped, *(x.sandbox_id for x in released)})
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         """The bwrap command line of a sandbox holding ``gpus``."""
@@ -373,11 +354,11 @@ class ReferenceDriver(Driver):
         return [*argv, "--perms", "1777", "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        path = ":".join([*self.host.tool_path, _BASE_PATH])
+        path = ":".join([*self.host.tool_path, HOST_PATH])
         return {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", **extra}
 
 
-class ReferenceSandbox(Sandbox):
+class ReferenceSandbox(HostProcessSandbox):
     """A running bubblewrap sandbox: its pid 1 holds its leases."""
 
     exec_privileges: ClassVar[tuple[str, ...]] = (
@@ -404,16 +385,11 @@ class ReferenceSandbox(Sandbox):
         holder = Holder(PROCESS, f"{boot_id()}:{child_pid}:{child_start}")
         super().__init__(sandbox_id, driver, gpus, holder, leases)
         self._process = process
+        self._env = env
         self._child_pid = child_pid
         self._child_start = child_start
-        self._env = env
         self._close_timeout_s = close_timeout_s
         self._as_sandbox_user = list(as_sandbox_user)
-
-    @property
-    def pid(self) -> int:
-        """The host pid of the sandbox's bwrap process."""
-        return self._process.pid
 
     def run(self, command: Command, output: Output) -> int:
         # Each command runs in the sandbox's pid namespace, as `docker exec` does. Not in one
@@ -425,7 +401,7 @@ class ReferenceSandbox(Sandbox):
         # not given. nsenter itself runs with the host's fixed environment, never the user's
         # (an LD_PRELOAD there would run in the host's namespaces as the host user), and as
         # the sandbox's host user, whose credentials it keeps inside (never root's).
-        env = {**self._env, **command.env}
+        env = self.command_env(command)
         enter = [tool("nsenter"), f"--target={self._child_pid}", *NAMESPACES, "--root", "--wd"]
         userns = -1
         if os.geteuid() != 0:  # the sandbox's user namespace, which its user owns
@@ -603,37 +579,20 @@ def _gid(path: str) -> int:
         return 0
 
 
-def tool(name: str) -> str:
-    """The absolute path of a host tool, looked up in the fixed host PATH."""
-    return shutil.which(name, path=_BASE_PATH) or name
-
-
-def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
-    """(sandbox id, pid) of every bwrap process stamped with ``session_id``."""
-    found = []
-    for pid, cmdline in each_process("cmdline"):
-        sandbox_id = _stamped(cmdline, session_id)
-        if sandbox_id is not None:
-            found.append((sandbox_id, pid))
-    return found
-
-
-def _is_sandbox(pid: int, session_id: str, sandbox: str) -> bool:
-    """Whether ``pid`` is the bwrap process of ``sandbox`` of ``session_id``."""
-    try:
-        return _stamped(Path(f"/proc/{pid}/cmdline").read_bytes(), session_id) == sandbox
-    except OSError:
-        return False
-
-
-def _stamped(cmdline: bytes, session_id: str) -> str | None:
-    argv = cmdline.split(b"\0")
-    if not argv[0].endswith(b"bwrap"):
-        return None
-    args = [arg.decode(errors="replace") for arg in argv]
+def _stamped(args: list[str], session_id: str) -> str | None:
+    """The sandbox a bwrap command line is stamped with (``--setenv``), if of ``session_id``."""
     pairs = {args[i + 1]: args[i + 2] for i, arg in enumerate(args[:-2]) if arg == "--setenv"}
     return (
         pairs[SANDBOX_ENV]
         if pairs.get(SESSION_ENV) == session_id and SANDBOX_ENV in pairs
         else None
     )
+
+
+BWRAP_PROCESSES = SandboxProcesses("bwrap", _stamped, called="bwrap")
+"""Every sandbox's bwrap process, stamped with its session and sandbox."""
+
+
+def _bwrap_processes(session_id: str) -> list[tuple[str, int]]:
+    """(sandbox id, pid) of every bwrap process stamped with ``session_id``."""
+    return BWRAP_PROCESSES.find(session_id)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The guest image of the vm lane (drivers/vm.py), on a Debian machine:
+# The guest image of the vm lane (drivers/vm/), on a Debian machine:
 #
 #   scripts/vm-image.sh install   qemu-system-x86, cpio and busybox-static from Debian, when
 #                                 missing (root)

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import ClassVar
 
-from drivers import vm
 from drivers.base import Launch
 from drivers.vm import GuestImage, VmDriver, VmSandbox
+from drivers.vm.image import cpio
 from gpuhost.leases import Holder
 from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
 from gpuhost.validation import validate_gpu_request
@@ -72,7 +72,7 @@ class PlantedAgent(BrokenVmDriver):
                 target.parent.mkdir()
                 target.write_text(agent)
                 target.chmod(0o755)
-                overlay = vm._cpio(Path(tmp))
+                overlay = cpio(Path(tmp))
             planted.parent.mkdir(parents=True, exist_ok=True)
             partial = planted.with_suffix(f".{os.getpid()}.tmp")
             partial.write_bytes(base.read_bytes() + overlay)

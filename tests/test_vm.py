@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from conformance import requirements
-from drivers.vm import VmDriver, _qemu_processes
+from drivers.vm import VmDriver
+from drivers.vm.qemu import qemu_processes
 from gpuhost import simulated
 from gpuhost.errors import UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost, HostConfig
@@ -162,7 +163,7 @@ def test_one_gpu_sees_its_own_address_and_a_second_vm_cannot_open_it(
 def test_qemu_runs_under_its_seccomp_filter(vm_driver: VmDriver) -> None:
     """Before: no ``-sandbox``: QEMU, a large attack surface facing the guest, unfiltered."""
     with vm_driver.create(SandboxSpec()) as vm:
-        ((sandbox, pid),) = _qemu_processes(vm_driver.session_id)
+        ((sandbox, pid),) = qemu_processes(vm_driver.session_id)
         assert sandbox == vm.id
         status = Path(f"/proc/{pid}/status").read_text()
         assert "\nSeccomp:\t2\n" in status, status  # 2: a filter
