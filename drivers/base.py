@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
-import shlex
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -36,6 +34,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar, final
 
+from drivers.commands import DEFAULT_EXEC_TIMEOUT_S as DEFAULT_EXEC_TIMEOUT_S
+from drivers.commands import Command as Command
+from drivers.commands import CommandTimedOut as CommandTimedOut
+from drivers.commands import ExecResult as ExecResult
+from drivers.commands import Output as Output
+from drivers.commands import check_argv as check_argv
+from drivers.commands import check_timeout as check_timeout
+from drivers.commands import write_all as write_all
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
     DuplicateGpuDevice,
@@ -48,7 +54,6 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, LeaseRegistry, register_liveness
-from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
 from gpuhost.spec import (
     DriverCapabilities,
     DriverRequest,
@@ -59,8 +64,6 @@ from gpuhost.spec import (
 )
 from gpuhost.validation import validate_gpu_request
 
-DEFAULT_EXEC_TIMEOUT_S = 120.0
-"""Long enough for a workload payload to import CUDA libraries on a cold host."""
 SESSION_ID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 """A session id: a Kubernetes label value (63 characters at most, letters and digits at each
 end, '-', '_' and '.' between), so that it is safe in a label, a file name, a glob and a
@@ -83,125 +86,6 @@ class Availability:
 
     ok: bool
     reason: str = ""
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    argv: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def check(self) -> ExecResult:
-        """Return self when the command succeeded; fail the test with its output otherwise."""
-        __tracebackhide__ = True
-        if self.returncode != 0:
-            raise AssertionError(
-                f"{shlex.join(self.argv)} exited {self.returncode}\n"
-                f"stdout: {self.stdout.strip()}\nstderr: {self.stderr.strip()}"
-            )
-        return self
-
-
-class CommandTimedOut(Exception):
-    """Raised by ``Sandbox.run`` once it has killed everything a command started at its timeout.
-
-    The contract turns it into ``ExecTimeout``, the one error a caller sees.
-    """
-
-
-@dataclass(frozen=True)
-class Command:
-    """One command the contract hands ``Sandbox.run``: checked, with its own marker."""
-
-    argv: tuple[str, ...]
-    timeout: float
-    """Seconds it may run, a positive number: at this timeout everything it started is killed."""
-    marker: str
-    """The value of ``EXEC_MARKER_ENV`` for this command alone."""
-
-    @classmethod
-    def of(cls, argv: Sequence[str], timeout: float) -> Command:
-        """A command for ``argv`` and ``timeout``, checked, with a fresh marker."""
-        return cls(check_argv(argv), check_timeout(timeout), exec_marker()[0])
-
-    @property
-    def env(self) -> dict[str, str]:
-        """What the command's environment adds to the sandbox's own: the marker.
-
-        Every process the command starts inherits it, setsid or not: how a timeout finds them.
-        """
-        return {EXEC_MARKER_ENV: self.marker}
-
-    @property
-    def needle(self) -> bytes:
-        """``KEY=value`` as it appears in /proc/<pid>/environ of the processes it started."""
-        return f"{EXEC_MARKER_ENV}={self.marker}".encode()
-
-
-class Output:
-    """Where a command's output goes: two file descriptors, or kept for an ``ExecResult``.
-
-    To descriptors as it comes for ``exec_stream``; kept for ``exec``.
-    ``Sandbox.run`` hands ``fds`` to the command's process when it can; otherwise it passes
-    the output on through ``stdout`` and ``stderr`` as it receives it, in any number of parts.
-    """
-
-    def __init__(self, stdout_fd: int | None = None, stderr_fd: int | None = None) -> None:
-        self.fds = None if stdout_fd is None or stderr_fd is None else (stdout_fd, stderr_fd)
-        self._kept: tuple[list[bytes], list[bytes]] = ([], [])
-
-    def stdout(self, data: bytes) -> None:
-        self._write(0, data)
-
-    def stderr(self, data: bytes) -> None:
-        self._write(1, data)
-
-    def _write(self, stream: int, data: bytes) -> None:
-        if self.fds is None:
-            self._kept[stream].append(data)
-        else:
-            write_all(self.fds[stream], data)
-
-    def kept(self) -> tuple[bytes, bytes]:
-        """What was kept of stdout and stderr (nothing when it went to descriptors)."""
-        return b"".join(self._kept[0]), b"".join(self._kept[1])
-
-
-def check_argv(argv: Sequence[str]) -> tuple[str, ...]:
-    """``argv`` as a tuple, when it names a program to run; SandboxExecError naming it otherwise.
-
-    A list of strings without NUL characters, whose first names a program: not empty, and
-    without '=' (which ``env``, and so every driver that runs commands through it, reads as a
-    variable to set).
-    """
-    if (
-        isinstance(argv, (str, bytes))
-        or not isinstance(argv, Sequence)
-        or not argv
-        or not all(isinstance(arg, str) and "\0" not in arg for arg in argv)
-        or not argv[0]
-        or "=" in argv[0]
-    ):
-        raise SandboxExecError(
-            f"argv must be a list of strings without NUL characters whose first names a "
-            f"program to run (not empty, no '='), got {shown(argv)}"
-        )
-    return tuple(argv)
-
-
-def check_timeout(timeout: float) -> float:
-    """``timeout`` in seconds, when it is a positive number; SandboxExecError otherwise."""
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise SandboxExecError(
-            f"timeout must be a positive number of seconds, got {shown(timeout)}"
-        )
-    return float(timeout)
 
 
 class Sandbox(ABC):
@@ -354,13 +238,6 @@ class Sandbox(ABC):
     def __repr__(self) -> str:
         gpus = ", ".join(gpu.uuid for gpu in self.gpus) or "no GPUs"
         return f"<{type(self).__name__} {self.id} of {self.driver} with {gpus}>"
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd``: a pipe takes a large write in parts."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 @dataclass(frozen=True)
