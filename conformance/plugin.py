@@ -31,6 +31,7 @@ from drivers import REGISTRY, reap_session
 from drivers.base import check_session_id
 from gpuhost import simulated
 from gpuhost.leases import DEFAULT_SHARE_LIMIT, Holder
+from gpuhost.vfio import REBIND_ENV
 
 pytest_plugins = ["conformance.fixtures"]
 """The fixtures the catalogue takes (conformance/fixtures.py)."""
@@ -115,6 +116,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "drivers).",
     )
     group.addoption(
+        "--vm-rebind-gpus",
+        action="store_true",
+        help=f"Let the vm driver take GPUs from the nvidia driver for its VMs, those no "
+        f"process holds open (or set {REBIND_ENV}=1); by default, on a real host, it uses only "
+        "GPUs already bound to vfio-pci.",
+    )
+    group.addoption(
         "--require-complete",
         action="store_true",
         help="A release run: a mandatory requirement that was not fully checked here (its "
@@ -177,6 +185,8 @@ def pytest_configure(config: pytest.Config) -> None:
         and not config.getini("timeout")
     ):
         config.option.timeout = TEST_TIMEOUT_S
+    if config.getoption("--vm-rebind-gpus"):
+        os.environ[REBIND_ENV] = "1"  # what the vm driver reads, in this process and workers
     settings = settings_from(config)
     count = config.getoption("--sim-gpus")
     if count is not None and not hasattr(config, "workerinput"):

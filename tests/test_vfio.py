@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from drivers.vm.passthrough import VfioPassthrough
 from gpuhost import vfio
+from gpuhost.devices import GpuDevice
 from gpuhost.leases import Holder
 from gpuhost.vfio import VFIO_DRIVER, VfioBinder, VfioError, VfioRefused
 from tests.broken_vms import BindingNotRestored
@@ -298,3 +300,29 @@ def test_asked_a_gpu_whose_node_cannot_be_told_is_refused(
     with pytest.raises(VfioRefused, match=f"cannot tell whether {GPU} is in use"):
         binder.claim(GPU, "sandbox-a", Holder.process(os.getpid()))
     _untouched(tmp_path, sysfs)
+
+
+def _gpu(index: int, bdf: str) -> GpuDevice:
+    return GpuDevice(index, f"GPU-{index:08d}-0000-0000-0000-000000000000", "H100", bdf)
+
+
+def test_unasked_the_vm_lane_offers_only_gpus_bound_to_vfio_pci(
+    tmp_path: Path, sysfs: ConstructedSysfs
+) -> None:
+    """On a real host, GPUs serving the nvidia driver are not the vm lane's to take."""
+    gpus = (_gpu(0, GPU), _gpu(1, OTHER_GPU))
+    unasked = VfioPassthrough(_binder(VfioBinder, tmp_path, sysfs, rebind=False))
+    assert unasked.offered(gpus) == ()
+    assert unasked.why_none(gpus) == (
+        f"needed GPUs bound to vfio-pci (found: {GPU} bound to nvidia, {OTHER_GPU} bound to "
+        "nvidia); to let VMs take GPUs from the nvidia driver, those no process holds open: "
+        "--vm-rebind-gpus, or GPU_SANDBOX_VM_REBIND=1"
+    )
+    # One prepared for passthrough, as a VFIO host is: that one is offered, and only it.
+    prepared = _binder(VfioBinder, tmp_path, sysfs)
+    prepared.claim(OTHER_GPU, "prepared-by-the-admin", Holder.process(os.getpid()))
+    assert unasked.offered(gpus) == (gpus[1],)
+    asked = VfioPassthrough(_binder(VfioBinder, tmp_path, sysfs, rebind=True))
+    assert asked.offered(gpus) == gpus
+    prepared.release("42")
+    _check_restored(sysfs)

@@ -93,7 +93,10 @@ class VmDriver(Driver):
     # -- what the host offers -------------------------------------------------------------
 
     def inventory(self) -> tuple[GpuDevice, ...]:
-        """NVIDIA's whole GPUs not in MIG mode: what passes through to a VM."""
+        """NVIDIA's whole GPUs not in MIG mode that the host lets VMs take (``offered``)."""
+        return self.passthrough.offered(self._whole_gpus())
+
+    def _whole_gpus(self) -> tuple[GpuDevice, ...]:
         return tuple(gpu for gpu in self.host.gpus if not gpu.mig_enabled)
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
@@ -197,12 +200,14 @@ class VmDriver(Driver):
             self.guest_image()
         except SandboxStartError as exc:
             return Availability(False, str(exc))
-        if not self.inventory():
+        if not self._whole_gpus():
             return Availability(
                 False,
                 "needed NVIDIA GPUs not in MIG mode (found none through NVML or nvidia-smi; "
                 "use --sim-gpus=N for a simulated GPU host)",
             )
+        if not self.inventory():
+            return Availability(False, self.passthrough.why_none(self._whole_gpus()))
         unavailable = self.passthrough.unavailable()
         if unavailable is not None:
             return Availability(False, unavailable)

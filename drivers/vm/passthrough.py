@@ -37,7 +37,7 @@ from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.simulated import SANDBOX_SHARE, SimulatedHost
 from gpuhost.simulated.pci_proxy import GpuFunction
-from gpuhost.vfio import VfioBinder, VfioClaim
+from gpuhost.vfio import REBIND_ENV, VFIO_DRIVER, VfioBinder, VfioClaim, VfioError
 
 
 class GpuClaim(abc.ABC):
@@ -89,6 +89,14 @@ class Passthrough(abc.ABC):
     def reconcile(self) -> None:
         """Give back what VMs that died left taken (when a session is reaped)."""
 
+    def offered(self, gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
+        """Of the host's whole GPUs, those VMs may be given: all of them, unless the host says."""
+        return gpus
+
+    def why_none(self, gpus: tuple[GpuDevice, ...]) -> str:
+        """Why ``offered`` left every one of ``gpus`` out, and how to opt in."""
+        return ""
+
     def boot_initrd(self, base: Path) -> Path:
         """The initramfs a VM boots cold: ``base``, with what the guest needs of the host."""
         return base
@@ -114,6 +122,31 @@ class VfioPassthrough(Passthrough):
             "needed VFIO (found no /dev/vfio/vfio: modprobe vfio-pci, and enable the "
             "IOMMU with intel_iommu=on or amd_iommu=on)"
         )
+
+    def offered(self, gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
+        # A GPU serving the nvidia driver may be in use (a persistence daemon, another job, a
+        # display): it is taken from it only when asked (the binder's rebind).
+        if self.binder.rebind:
+            return gpus
+        return tuple(gpu for gpu in gpus if not self._bound_elsewhere(gpu))
+
+    def why_none(self, gpus: tuple[GpuDevice, ...]) -> str:
+        found = ", ".join(
+            f"{gpu.pci_bus_id} bound to {self.binder.driver_of(gpu.pci_bus_id) or 'no driver'}"
+            for gpu in gpus
+        )
+        return (
+            f"needed GPUs bound to {VFIO_DRIVER} (found: {found}); to let VMs take GPUs from "
+            f"the nvidia driver, those no process holds open: --vm-rebind-gpus, or "
+            f"{REBIND_ENV}=1"
+        )
+
+    def _bound_elsewhere(self, gpu: GpuDevice) -> bool:
+        try:
+            functions = self.binder.group_functions(self.binder.group_of(gpu.pci_bus_id))
+        except (VfioError, OSError):
+            return True  # no IOMMU group: the claim would fail, and say why
+        return any(self.binder.driver_of(fn) not in (None, VFIO_DRIVER) for fn in functions)
 
     def claim(self, gpu: GpuDevice, sandbox_id: str) -> GpuClaim:
         self.binder.reconcile()  # groups that a VM which died left bound
@@ -223,4 +256,5 @@ def passthrough_for(host: GpuHost, run_dir: Path) -> Passthrough:
     """The strategy for ``host``: VFIO on a real host, the PCI proxy on a simulated one."""
     if host.simulated is not None:
         return SimulatedPassthrough(host.simulated, run_dir)
-    return VfioPassthrough(VfioBinder(host.config.state_directory()))
+    rebind = os.environ.get(REBIND_ENV) == "1"
+    return VfioPassthrough(VfioBinder(host.config.state_directory(), rebind=rebind))
