@@ -477,8 +477,7 @@ def test_catalogue_passes_the_kubernetes_driver(pytester: pytest.Pytester, tmp_p
     result, run = run_catalogue(pytester, tmp_path, "kubernetes", 2, full=False)
     verdicts = {req: cells["kubernetes"] for req, cells in result["matrix"].items()}
     profile = requirements.load().profile("kubernetes")
-    # GPU-RECLAIM-02 is optional for pods, and fails: a pod outlives the process that made it.
-    outcome = {"not applicable": "not applicable", "optional": "failed"}
+    outcome = {"not applicable": "not applicable"}
     expected = {
         req: outcome.get(profile[req], "passed")
         for req in golden_ids()
