@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
@@ -34,14 +35,38 @@ REAP_TIMEOUT_S = 10.0
 """After SIGKILL a process is gone in milliseconds; seconds mean it is stuck in the kernel."""
 
 
+TOOL_ENV_PREFIX = "GPU_SANDBOX_TOOL_"
+"""``GPU_SANDBOX_TOOL_BWRAP=/opt/bwrap/bin/bwrap`` names a tool outside the fixed PATH."""
+
+
+def tool_env(name: str) -> str:
+    """The variable that names where the tool ``name`` is: ``GPU_SANDBOX_TOOL_<NAME>``."""
+    return TOOL_ENV_PREFIX + name.upper().replace("-", "_")
+
+
+def _named(name: str) -> str | None:
+    """The tool as its variable names it, when that is an executable file."""
+    path = os.environ.get(tool_env(name), "")
+    return path if os.path.isabs(path) and shutil.which(path) else None
+
+
 def tool(name: str) -> str:
-    """The absolute path of a host tool, looked up in the fixed host PATH."""
-    return shutil.which(name, path=HOST_PATH) or name
+    """The absolute path of a host tool: as its variable names it, or in the fixed host PATH.
+
+    Only a path given by its variable (an explicit choice of whoever runs the suite) reaches
+    outside the fixed PATH: never the user's own PATH.
+    """
+    return _named(name) or shutil.which(name, path=HOST_PATH) or name
 
 
 def missing_tools(names: Iterable[str]) -> list[str]:
-    """Those of ``names`` that the fixed host PATH does not hold."""
-    return [name for name in names if not shutil.which(name, path=HOST_PATH)]
+    """Those of ``names`` that neither their variable nor the fixed host PATH give."""
+    return [n for n in names if not _named(n) and not shutil.which(n, path=HOST_PATH)]
+
+
+def how_to_name(names: Iterable[str]) -> str:
+    """How to name tools found elsewhere, for a probe's reason."""
+    return ", ".join(f"{tool_env(name)}=/path/to/{name}" for name in names)
 
 
 def run_tool(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None:
