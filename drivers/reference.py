@@ -42,6 +42,7 @@ from drivers.base import (
     Launch,
     Output,
 )
+from drivers.bwrap import hidden_gpus_argv, host_root_argv, under_system_dirs, with_parents
 from drivers.host_process import (
     HOST_ENV,
     HOST_PATH,
@@ -81,26 +82,6 @@ SANDBOX_ENV = "GPU_SANDBOX_ID"
 SANDBOX_UID = 1_999_000_000
 """The host uid and gid of a root-run sandbox: no account's, and no other process's."""
 _TOOLS = ("bwrap", "nsenter", "setpriv", "env")
-_SYSTEM_DIRS = tuple(
-    Path("/", name)
-    for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "sys")
-)
-"""What a sandbox's root holds of the host, read-only: programs, libraries, configuration,
-add-on software (/opt: a GPU host's frameworks often live there) and /sys for NVML."""
-_ETC_SECRETS = tuple(
-    Path("/etc", name)
-    for name in (
-        "shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "ssh", "ssl/private"
-    )
-)  # fmt: skip
-"""Credentials under /etc that a sandbox run by root could otherwise read."""
-_SYSFS_HOST_VIEWS = tuple(
-    Path("/sys", name) for name in ("fs/cgroup", "class/net", "devices/virtual/net")
-)
-"""What /sys shows of the host beyond devices: its cgroup tree (every service and container
-on it), its network interfaces. A sandbox has a cgroup and a network namespace of its own."""
-_PROC_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
-_SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 
 
 class ReferenceDriver(Driver):
@@ -142,7 +123,7 @@ class ReferenceDriver(Driver):
         # The very command line a sandbox gets, so that a bwrap lacking an option it uses
         # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.
         trial = subprocess.run(
-            [*_with_parents(self.bwrap_argv("probe", ())), *self.init_prefix(()), "true"],
+            [*with_parents(self.bwrap_argv("probe", ())), *self.init_prefix(()), "true"],
             capture_output=True,
             text=True,
             check=False,
@@ -190,7 +171,7 @@ class ReferenceDriver(Driver):
 
     def _start(self, launch: Launch, argv: list[str]) -> ReferenceSandbox:
         """Start bwrap and wait for its init to say it is ready."""
-        argv = _with_parents(argv)
+        argv = with_parents(argv)
         info_read, info_write = os.pipe()
         try:
             init = [*self.init_prefix(launch.gpus), *self.init_argv]
@@ -320,19 +301,19 @@ class ReferenceDriver(Driver):
         # The host's own GPU state stays out of sight where a system directory would show it.
         for state in self.host.private_dirs:
             state.mkdir(parents=True, exist_ok=True)
-            if _under_system_dirs(state.resolve()):
+            if under_system_dirs(state.resolve()):
                 argv += ["--tmpfs", str(state.resolve())]
         for source, target in self.host.tool_mounts:
             argv += ["--ro-bind", str(source), target]
         # The suite's own Python, which the workload lane runs inside, after the tmpfs mounts
         # (a checkout under /tmp keeps its venv there), where the sandbox's user can read it.
         for prefix in sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}):
-            if not _under_system_dirs(prefix) and self.sees(prefix):
+            if not under_system_dirs(prefix) and self.sees(prefix):
                 argv += ["--ro-bind", str(prefix), str(prefix)]
         # Device binds come after `--dev /dev`, which would otherwise hide them.
         for node in self.device_nodes(gpus):
             argv += ["--dev-bind", node.source, node.path]
-        argv += _real_gpu_masks(self.host.devices, gpus)
+        argv += hidden_gpus_argv(self.host.devices, gpus)
         return [*argv, "--remount-ro", "/"]
 
     def root_argv(self) -> list[str]:
@@ -342,16 +323,7 @@ class ReferenceDriver(Driver):
         engines' state, home directories and the host's /run, and a container mount
         vanishing while bwrap copies the mount tree would fail the sandbox's start.
         """
-        argv = system_dirs_argv()
-        for secret in _ETC_SECRETS:
-            if secret.is_dir():
-                argv += ["--tmpfs", str(secret)]
-            elif secret.exists():
-                argv += ["--ro-bind", "/dev/null", str(secret)]
-        for view in _SYSFS_HOST_VIEWS:
-            if view.is_dir():
-                argv += ["--tmpfs", str(view)]
-        return [*argv, "--perms", "1777", "--tmpfs", "/var/tmp", "--symlink", "../run", "/var/run"]
+        return host_root_argv()
 
     def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
         path = ":".join([*self.host.tool_path, HOST_PATH])
@@ -481,41 +453,6 @@ class ReferenceSandbox(HostProcessSandbox):
         self._process.send_signal(signal.SIGKILL)
 
 
-def system_dirs_argv() -> list[str]:
-    """Bwrap arguments that bind the host's system directories read-only, and nothing else."""
-    argv: list[str] = []
-    for path in _SYSTEM_DIRS:
-        if path.is_symlink():  # /bin -> usr/bin on a merged-/usr system
-            argv += ["--symlink", os.readlink(path), str(path)]
-        elif path.is_dir():
-            argv += ["--ro-bind", str(path), str(path)]
-    return argv
-
-
-def _under_system_dirs(path: Path) -> bool:
-    return any(path.is_relative_to(d) for d in _SYSTEM_DIRS if not d.is_symlink())
-
-
-def _real_gpu_masks(all_gpus: Sequence[GpuDevice], given: Sequence[GpuDevice]) -> list[str]:
-    """Hide every GPU but ``given`` from /proc/driver/nvidia and from PCI sysfs.
-
-    Sysfs matters beyond information: a GPU's ``resource*`` files map its registers.
-    """
-    argv = []
-    buses = {gpu.pci_bus_id for gpu in given}  # a MIG instance's is its GPU's
-    if _PROC_NVIDIA_GPUS.is_dir():
-        argv += ["--tmpfs", str(_PROC_NVIDIA_GPUS)]
-        for bus in sorted(buses):
-            entry = _PROC_NVIDIA_GPUS / bus
-            if entry.exists():
-                argv += ["--ro-bind", str(entry), str(entry)]
-    for bus in sorted({gpu.pci_bus_id for gpu in all_gpus} - buses):
-        device = _SYSFS_PCI_DEVICES / bus
-        if device.exists():
-            argv += ["--tmpfs", str(device.resolve())]
-    return argv
-
-
 NAMESPACES = ("--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup")
 """The sandbox's namespaces a command enters besides its user namespace: all it has (not
 the host's time namespace, which only root may enter)."""
@@ -534,42 +471,6 @@ def _sandbox_userns(child_pid: int) -> int:
         return fcntl.ioctl(nested, _NS_GET_PARENT)
     finally:
         os.close(nested)
-
-
-_DEST_OPS = ("--dev", "--proc", "--tmpfs", "--dir", "--mqueue")
-_SOURCE_DEST_OPS = ("--ro-bind", "--bind", "--dev-bind", "--symlink", "--ro-bind-try")
-_ARITY = {
-    **dict.fromkeys(_SOURCE_DEST_OPS, 2), **dict.fromkeys(_DEST_OPS, 1), "--setenv": 2,
-    "--perms": 1, "--remount-ro": 1, "--chdir": 1, "--cap-add": 1, "--cap-drop": 1,
-    "--info-fd": 1, "--uid": 1, "--gid": 1, "--unsetenv": 1, "--hostname": 1,
-}  # fmt: skip
-
-
-def _with_parents(argv: list[str]) -> list[str]:
-    """``argv`` with each directory above a mount point made first, searchable by anyone.
-
-    bwrap run by root makes the directories it needs 0700: a sandbox whose user is not root
-    could not reach /var/tmp, its device nodes under /dev/nvidia-caps, or its Python.
-    """
-    made = {Path("/")}
-    out = argv[:1]
-    i = 1
-    while i < len(argv):
-        start = i
-        if argv[i] == "--perms":  # it applies to the operation after it
-            i += 2
-        op = argv[i]
-        arity = _ARITY.get(op, 0)
-        if op in _DEST_OPS or op in _SOURCE_DEST_OPS:
-            dest = Path(argv[i + arity])
-            for parent in reversed(dest.parents):
-                if parent not in made:
-                    out += ["--perms", "0755", "--dir", str(parent)]
-                    made.add(parent)
-            made.add(dest)
-        out += argv[start : i + 1 + arity]
-        i += 1 + arity
-    return out
 
 
 def _gid(path: str) -> int:

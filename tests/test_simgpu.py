@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from drivers.reference import system_dirs_argv
+from drivers.bwrap import system_dirs_argv
 from gpuhost.devices import NVIDIACTL_MINOR, DeviceNode, GpuDevice
 from gpuhost.leases import Holder
 from gpuhost.simulated import (
