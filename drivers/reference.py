@@ -48,6 +48,7 @@ from drivers.host_process import (
     HOST_PATH,
     HostProcessSandbox,
     SandboxProcesses,
+    how_to_name,
     missing_tools,
     run_tool,
     tool,
@@ -82,6 +83,7 @@ SANDBOX_ENV = "GPU_SANDBOX_ID"
 SANDBOX_UID = 1_999_000_000
 """The host uid and gid of a root-run sandbox: no account's, and no other process's."""
 _TOOLS = ("bwrap", "nsenter", "setpriv", "env")
+NO_GPUS_FOUND = "found none through NVML or nvidia-smi; use --sim-gpus=N for a simulated GPU host"
 
 
 class ReferenceDriver(Driver):
@@ -112,14 +114,11 @@ class ReferenceDriver(Driver):
             return Availability(
                 False,
                 f"needed {', '.join(missing)} in {HOST_PATH} (found none; "
-                "apt-get install bubblewrap util-linux coreutils)",
+                "apt-get install bubblewrap util-linux coreutils, or name where they are: "
+                f"{how_to_name(missing)})",
             )
         if not self.host.gpus:
-            return Availability(
-                False,
-                "needed NVIDIA GPUs (found none through NVML or nvidia-smi; "
-                "use --sim-gpus=N for a simulated GPU host)",
-            )
+            return Availability(False, f"needed NVIDIA GPUs ({NO_GPUS_FOUND})")
         # The very command line a sandbox gets, so that a bwrap lacking an option it uses
         # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.
         trial = subprocess.run(
@@ -287,7 +286,7 @@ class ReferenceDriver(Driver):
         argv = [
             tool("bwrap"),
             *self.root_argv(),
-            "--dev", "/dev",
+            "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm",  # for PyTorch, NCCL
             "--proc", "/proc",
             "--perms", "1777", "--tmpfs", "/tmp",
             "--perms", "1777", "--tmpfs", "/run",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from drivers import reference as reference_module
 from drivers.base import Launch
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost import simulated
@@ -201,3 +202,18 @@ def test_a_found_pid_is_killed_only_if_it_is_still_the_one_found() -> None:
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_sandbox_user_can_write_posix_shared_memory(reference: ReferenceDriver) -> None:
+    """PyTorch's data loaders and NCCL put their buffers in /dev/shm."""
+    with reference.create(SandboxSpec()) as sandbox:
+        done = sandbox.exec(["sh", "-c", "echo x > /dev/shm/buffer && cat /dev/shm/buffer"])
+        assert (done.returncode, done.stdout) == (0, "x\n"), done
+
+
+def test_a_missing_tool_says_how_to_name_it(
+    reference: ReferenceDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reference_module, "_TOOLS", ("no-such-bwrap",))
+    reason = reference.probe().reason
+    assert "GPU_SANDBOX_TOOL_NO_SUCH_BWRAP=/path/to/no-such-bwrap" in reason, reason
