@@ -14,6 +14,7 @@ from conformance import requirements
 from conformance.fixtures import SandboxFactory
 from conformance.observe import assert_all_gpus_grantable
 from drivers.base import Driver
+from gpuhost.devices import normalize_pci_bus_id
 from gpuhost.errors import (
     DriverError,
     DuplicateGpuDevice,
@@ -320,20 +321,32 @@ def _unknown(device_id: str) -> BadRequest:
 def _near_miss(driver: Driver, how: str) -> str:
     """A spelling close to one of the driver's own IDs of its second GPU, which is none.
 
-    ``case``: the longest ID in the other letter case; ``prefix``: it less its last four
-    characters (a prefix only that GPU's ID has); ``path``: the GPU's device node. Only the
-    IDs ``device_ids`` lists are IDs: each of these must be refused, never mapped to a GPU.
+    ``case``: the longest ID but a PCI address, in the other letter case; ``prefix``: the
+    longest ID less its last four characters (a prefix only that GPU's ID has); ``path``: the
+    GPU's device node. Only what ``device_ids`` lists is an ID (a PCI address in either case):
+    each of these must be refused, never mapped to a GPU.
     """
     gpu = driver.inventory()[min(1, len(driver.inventory()) - 1)]
     longest = max(driver.device_ids(gpu), key=len)
+    # A PCI address is the same ID in either letter case (NVML writes it upper case, the
+    # kernel lower case): the other case of a name is a near miss only for other forms.
+    named = [i for i in driver.device_ids(gpu) if not _is_pci_address(i)] or [longest]
     spelled = {
-        "case": longest.swapcase(),
+        "case": max(named, key=len).swapcase(),
         "prefix": longest[:-4],
         "path": f"/dev/nvidia{gpu.minor}",
     }[how]
-    if spelled in driver.device_index():  # a form the driver lists after all: no near miss
+    if spelled in driver.device_index() or _is_pci_address(spelled):  # an ID after all
         return f"{spelled}-not-an-id"
     return spelled
+
+
+def _is_pci_address(device_id: str) -> bool:
+    try:
+        normalize_pci_bus_id(device_id)
+    except ValueError:
+        return False
+    return True
 
 
 def _refused_spelling(how: str) -> BadRequest:
