@@ -656,7 +656,9 @@ undo_host_changes() {
   while read -r ns; do
     [ -e "$ns" ] || continue
     umount "$ns" 2>/dev/null || umount -l "$ns" 2>/dev/null || true
-    rm -f "$ns"
+    # Still a mount point in another mount namespace (a shim that outlived its task): the
+    # kernel frees it with that namespace; a stop must not fail on it.
+    rm -f "$ns" 2>/dev/null || log "could not remove $ns (busy: still mounted elsewhere)"
   done < <(sort -u "$STATE/netns" 2>/dev/null)
   ip link delete "$BRIDGE" 2>/dev/null || true
   rm -f /var/lib/cni/results/"$NET_NAME"-* 2>/dev/null || true
@@ -677,7 +679,7 @@ undo_host_changes() {
   rm -f "$PLUGIN_DIR"/gpu-sandbox-*.sock "$PLUGIN_DIR/kubelet.sock" "$PLUGIN_DIR/kubelet_internal_checkpoint"
   local p
   while read -r p; do
-    [ -n "$p" ] && rm -rf "$p"
+    [ -n "$p" ] && { rm -rf "$p" 2>/dev/null || log "could not remove all of $p (busy)"; }
   done <"$STATE/created-paths" 2>/dev/null || true
 }
 
