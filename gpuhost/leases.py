@@ -11,11 +11,9 @@ client in any language (gpuhost/gpu-lease is one in POSIX sh with flock(1) and j
   faster than a new file renamed over it), then truncated: a reader parses the first JSON
   value and ignores bytes after it, which a writer killed between the write and the
   truncation leaves behind;
-- each lease names its holder with a liveness handle: ``process`` holders are
-  ``<boot id>:<pid>:<start time>``, judged from /proc; other kinds (a container) are judged
-  by the check their driver registers (``register_liveness``, or an entry point in the
-  ``gpu_sandbox.liveness`` group). A lease whose holder is gone is reclaimed by the next
-  request; a holder that cannot be judged is alive: a GPU is never taken back on a guess;
+- each lease names its holder with a liveness handle (gpuhost/liveness.py): a lease whose
+  holder is gone is reclaimed by the next request; a holder that cannot be judged is
+  alive: a GPU is never taken back on a guess;
 - every lease of an earlier boot is dead: a file of another boot's id, and a file written
   before this boot that cannot be read (a power loss in the middle of a write), hold
   nothing.
@@ -23,10 +21,8 @@ client in any language (gpuhost/gpu-lease is one in POSIX sh with flock(1) and j
 Checks that ask a container engine run outside the lock, bounded by their own timeouts, so
 a hung engine delays only the request that needs its verdict, never the host's other grants.
 
-Selection is deterministic: the lowest free GPUs in PCI order. A lease is ``exclusive`` (no
-other lease on the GPU) or ``shared`` (co-held with other shared leases only, up to a
-per-GPU limit); a MIG instance and its GPU are one device for this purpose: while any of a
-GPU's instances is leased the GPU is busy, and the other way round.
+What a request gets, given the leases that stand, is gpuhost/grants.py's policy: the lowest
+free GPUs in PCI order, exclusive or shared, a MIG instance and its GPU one device.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,17 +44,25 @@ from typing import Any
 
 from gpuhost import leasefile
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
+from gpuhost.errors import GpuAllocationError
+from gpuhost.grants import EXCLUSIVE as EXCLUSIVE
+from gpuhost.grants import SHARED as SHARED
+from gpuhost.grants import grant
 from gpuhost.leasefile import FORMAT_VERSION as FORMAT_VERSION
 from gpuhost.leasefile import LeaseFileCorrupt as LeaseFileCorrupt
+from gpuhost.liveness import PROCESS as PROCESS
+from gpuhost.liveness import Holder as Holder
+from gpuhost.liveness import LivenessCheck as LivenessCheck
+from gpuhost.liveness import alive, dead_holders
+from gpuhost.liveness import boot_id as boot_id
+from gpuhost.liveness import boot_time as boot_time
+from gpuhost.liveness import liveness_check as liveness_check
+from gpuhost.liveness import process_running as process_running
+from gpuhost.liveness import process_start_time as process_start_time
+from gpuhost.liveness import register_liveness as register_liveness
 
-EXCLUSIVE, SHARED = "exclusive", "shared"
 DEFAULT_SHARE_LIMIT = 4
 """How many shared sandboxes may co-hold one GPU, unless a host says otherwise."""
-PROCESS = "process"
-LIVENESS_ENTRY_POINTS = "gpu_sandbox.liveness"
-CHECKS_AT_ONCE = 16
-"""How many holders a read judges at once (each check bounded by its own timeout)."""
 
 
 class LeaseFileLocked(RuntimeError):
@@ -69,22 +72,6 @@ class LeaseFileLocked(RuntimeError):
 LOCK_TIMEOUT_S = 30.0
 """How long a registry waits for the lease file's lock. A grant holds it for milliseconds
 (liveness checks run outside it); a holder for longer is stuck, or hostile."""
-
-
-@dataclass(frozen=True)
-class Holder:
-    """What keeps a lease alive: ``kind`` picks the liveness check, ``ref`` identifies it."""
-
-    kind: str
-    ref: str
-
-    @classmethod
-    def process(cls, pid: int) -> Holder:
-        """The process ``pid``, pinned by its start time so a reused pid is not mistaken."""
-        return cls(PROCESS, f"{boot_id()}:{pid}:{process_start_time(pid)}")
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.ref}"
 
 
 @dataclass(frozen=True)
@@ -118,81 +105,6 @@ class LeaseOwner:
     holder: Holder
 
 
-LivenessCheck = Callable[[Holder], bool]
-"""True while the holder lives. It must return within seconds (its own timeout), and return
-True when it cannot tell: the registry never takes a GPU back on a guess."""
-
-
-def _process_alive(holder: Holder) -> bool:
-    try:
-        holder_boot, pid, start = holder.ref.split(":")
-        pid_number = int(pid)
-    except ValueError:
-        return True  # not ours to judge: never take a GPU back on a guess
-    return holder_boot == boot_id() and process_running(pid_number, start)
-
-
-def process_running(pid: int, start: str) -> bool:
-    """Whether the process ``pid`` that started at ``start`` still runs (a zombie does not)."""
-    try:
-        fields = _stat_fields(pid)
-    except (FileNotFoundError, ProcessLookupError):  # gone, exiting as we read, or hidden
-        return _hidden(pid)
-    except OSError:  # hidden from us (/proc mounted with hidepid=noaccess): not proof it is gone
-        return True
-    # A zombie has exited: its parent just has not reaped it yet.
-    return fields[19] == start and fields[0] not in ("Z", "X")
-
-
-def _hidden(pid: int) -> bool:
-    """Whether a process that /proc does not list exists all the same.
-
-    Another user's, under ``hidepid=invisible``; its start time cannot be read, so it counts
-    as the holder.
-    """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return False  # ours, and /proc does not list it: it was exiting as we read
-
-
-_CHECKS: dict[str, LivenessCheck] = {PROCESS: _process_alive}
-_NO_CHECK: set[str] = set()
-"""Kinds whose entry points were looked for and not found: not looked for again."""
-
-
-def register_liveness(kind: str, check: LivenessCheck) -> None:
-    """Judge holders of ``kind`` with ``check`` (a driver whose sandboxes outlive processes).
-
-    A process that never imported the driver finds the check through the driver's entry
-    point in the ``gpu_sandbox.liveness`` group; without either, such holders live forever.
-    """
-    _CHECKS[kind] = check
-    _NO_CHECK.discard(kind)
-
-
-def liveness_check(kind: str) -> LivenessCheck | None:
-    """The check of ``kind``: registered in this process, or else its entry point."""
-    if kind not in _CHECKS and kind not in _NO_CHECK:
-        from importlib import metadata  # slow to import, and needed only for such a holder
-
-        for entry in metadata.entry_points(group=LIVENESS_ENTRY_POINTS, name=kind):
-            with contextlib.suppress(Exception):  # a broken plugin judges nothing
-                _CHECKS[kind] = entry.load()
-                break
-        else:
-            _NO_CHECK.add(kind)
-    return _CHECKS.get(kind)
-
-
-def _alive(holder: Holder) -> bool:
-    check = liveness_check(holder.kind)
-    return True if check is None else check(holder)
-
-
 def _leases(
     granted: Sequence[GpuDevice], owner: LeaseOwner, mode: str, share_limit: int
 ) -> list[Lease]:
@@ -207,16 +119,9 @@ def _leases(
 
 
 def _dead(leases: Collection[Lease]) -> set[Lease]:
-    """The leases whose holders are gone, asking once per holder, several at once.
-
-    A holder of a kind nobody can judge is alive, and asks nothing.
-    """
-    holders = [h for h in {lease.holder for lease in leases} if liveness_check(h.kind)]
-    if not holders:
-        return set()
-    with ThreadPoolExecutor(min(len(holders), CHECKS_AT_ONCE)) as pool:
-        alive = dict(zip(holders, pool.map(_alive, holders), strict=True))
-    return {lease for lease in leases if not alive.get(lease.holder, True)}
+    """The leases whose holders are gone, asking once per holder."""
+    gone = dead_holders([lease.holder for lease in leases])
+    return {lease for lease in leases if lease.holder in gone}
 
 
 @dataclass
@@ -269,14 +174,14 @@ class LeaseRegistry:
         outside the lock, and the grant is tried again without the dead ones.
         """
         with self._locked(reclaim=False) as held, contextlib.suppress(GpuAllocationError):
-            granted = _grant(held.all, inventory, count, exact, mode, share_limit)
+            granted = grant(held.all, inventory, count, exact, mode, share_limit)
             held.mine.extend(_leases(granted, owner, mode, share_limit))
             return granted
         dead: set[Lease] = set()
         while True:
             with self._locked(drop=dead) as held:
                 try:
-                    granted = _grant(held.all, inventory, count, exact, mode, share_limit)
+                    granted = grant(held.all, inventory, count, exact, mode, share_limit)
                 except GpuAllocationError as exc:
                     refusal = exc
                     suspects = [x for x in held.all if x.holder.kind != PROCESS and x not in dead]
@@ -358,7 +263,7 @@ class LeaseRegistry:
 
     def _judge(self, holder: Holder) -> bool:
         """Whether a process holder lives, judged under the lock."""
-        return _alive(holder)
+        return alive(holder)
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -538,68 +443,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _grant(
-    leases: Sequence[Lease],
-    inventory: Sequence[GpuDevice],
-    count: int,
-    exact: Sequence[GpuDevice],
-    mode: str,
-    share_limit: int,
-) -> tuple[GpuDevice, ...]:
-    """What a request gets given ``leases``, or the error that refuses it."""
-    if exact:
-        for gpu in exact:
-            reason = _blocked(gpu, mode, leases, share_limit)
-            if reason:
-                raise GpuBusy(gpu.describe(), reason)
-        return tuple(exact)
-    open_ = [gpu for gpu in inventory if not _blocked(gpu, mode, leases, share_limit)]
-    if mode == SHARED:  # fill the GPUs already shared before taking free ones
-        open_.sort(key=lambda gpu: not _related(gpu, leases))
-    if len(open_) < count:
-        held = [gpu for gpu in inventory if _related(gpu, leases)]
-        shared = [gpu for gpu in held if all(x.mode == SHARED for x in _related(gpu, leases))]
-        raise GpusExhausted(
-            count,
-            len(open_),
-            len(inventory),
-            f"{mode}; {len(held) - len(shared)} held exclusively, {len(shared)} shared"
-            + (f" (at most {share_limit} sandboxes each)" if mode == SHARED else ""),
-        )
-    return tuple(open_[:count])
-
-
-def _related(gpu: GpuDevice, leases: Sequence[Lease]) -> list[Lease]:
-    """The leases on ``gpu``, on its MIG instances, or on the GPU it is an instance of."""
-    return [
-        lease
-        for lease in leases
-        if lease.gpu_uuid == gpu.uuid
-        or lease.parent_uuid == gpu.uuid
-        or (gpu.parent_uuid is not None and lease.gpu_uuid == gpu.parent_uuid)
-    ]
-
-
-def _blocked(gpu: GpuDevice, mode: str, leases: Sequence[Lease], share_limit: int) -> str:
-    """Why ``gpu`` cannot be granted in ``mode``: the holder, and how it holds it; "" if it can.
-
-    A shared request may join shared leases of the very same device while they are fewer
-    than the smallest limit any of them (or it) was taken with.
-    """
-    related = _related(gpu, leases)
-    if not related:
-        return ""
-    if mode == SHARED and all(x.mode == SHARED and x.gpu_uuid == gpu.uuid for x in related):
-        limit = min([share_limit, *(x.share_limit or share_limit for x in related)])
-        if len(related) < limit:
-            return ""
-        return f"shared by {len(related)} sandboxes, its limit: {related[0].describe()}"
-    first = related[0]
-    how = "shared" if first.mode == SHARED else "held exclusively"
-    what = "" if first.gpu_uuid == gpu.uuid else f" through {first.gpu_uuid}"
-    return f"{how}{what} by {first.describe()}"
-
-
 def lease_to_dict(lease: Lease) -> dict[str, Any]:
     # Hand-written rather than dataclasses.asdict, which deep-copies and is the hot spot.
     return {
@@ -617,10 +460,6 @@ def lease_to_dict(lease: Lease) -> dict[str, Any]:
 
 def lease_from_dict(item: Mapping[str, Any]) -> Lease:
     return Lease(**{**item, "holder": Holder(**item["holder"])})
-
-
-_BOOT_ID: str | None = None
-_BOOT_TIME: float | None = None
 
 
 def lock_holders(fd: int) -> str:
@@ -642,39 +481,3 @@ def lock_holders(fd: int) -> str:
             continue
         held.append(f"pid {pid} (uid {uid}: {command.decode(errors='replace').strip()[:120]})")
     return ", ".join(held)
-
-
-def boot_id() -> str:
-    """The id of the running boot (``/proc/sys/kernel/random/boot_id``).
-
-    Leases of other boots are dead.
-    """
-    global _BOOT_ID
-    if _BOOT_ID is None:
-        _BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return _BOOT_ID
-
-
-def boot_time() -> float:
-    """When this machine booted, in seconds since the epoch (``btime`` of /proc/stat)."""
-    global _BOOT_TIME
-    if _BOOT_TIME is None:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                _BOOT_TIME = float(line.split()[1])
-                break
-        else:
-            _BOOT_TIME = 0.0
-    return _BOOT_TIME
-
-
-def _stat_fields(pid: int) -> list[str]:
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    with open(f"/proc/{pid}/stat", "rb") as stat:
-        raw = stat.read().decode()
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def process_start_time(pid: int) -> str:
-    """When ``pid`` started, in clock ticks since boot: with the pid, a unique identity."""
-    return _stat_fields(pid)[19]

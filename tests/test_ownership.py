@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from gpuhost import leases as ownership
+from gpuhost import liveness
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.leases import (
@@ -36,10 +36,10 @@ from gpuhost.leases import (
     LeaseFileLocked,
     LeaseOwner,
     LeaseRegistry,
-    boot_id,
-    boot_time,
+    lease_to_dict,
     liveness_check,
 )
+from gpuhost.liveness import boot_id, boot_time
 from gpuhost.wait import wait_for
 from tests.other_user import PYTHON, readable_copy, setpriv
 
@@ -323,7 +323,7 @@ def test_unknown_holder_kinds_are_looked_up_once_and_start_no_thread(
         return real(**selection)
 
     monkeypatch.setattr(metadata, "entry_points", entry_points)
-    monkeypatch.setattr(ownership, "ThreadPoolExecutor", None)  # any pool fails the read
+    monkeypatch.setattr(liveness, "ThreadPoolExecutor", None)  # any pool fails the read
     assert len(registry.leases()) == 400
     assert len(registry.leases()) == 400
     assert sorted(looked_up) == sorted(kinds)
@@ -333,7 +333,7 @@ def test_a_registered_liveness_check_is_used(
     registry: LeaseRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gone = {"c-2"}
-    monkeypatch.setitem(ownership._CHECKS, "container", lambda holder: holder.ref not in gone)
+    monkeypatch.setitem(liveness._CHECKS, "container", lambda holder: holder.ref not in gone)
     registry.acquire(INVENTORY, owner("a", holder=Holder("container", "c-1")), count=1)
     registry.acquire(INVENTORY, owner("b", holder=Holder("container", "c-2")), count=1)
     assert held(registry) == {INVENTORY[0].uuid: "a"}
@@ -377,9 +377,7 @@ def test_leases_of_an_earlier_boot_are_dead(registry: LeaseRegistry) -> None:
 
 def test_a_version_1_file_is_read(registry: LeaseRegistry) -> None:
     lease = Lease(INVENTORY[1].uuid, "test", "old", "s", ME, EXCLUSIVE, 1.0)
-    _write(
-        registry, json.dumps({"version": 1, "leases": [ownership.lease_to_dict(lease)]}).encode()
-    )
+    _write(registry, json.dumps({"version": 1, "leases": [lease_to_dict(lease)]}).encode())
     assert registry.leases() == [lease]
     registry.acquire(INVENTORY, owner("new"), count=1)
     assert json.loads(registry.path.read_text())["version"] == FORMAT_VERSION
@@ -457,7 +455,7 @@ def test_an_engine_check_runs_outside_the_host_lock(
         seen.append(_lock_is_free(registry))
         return False
 
-    monkeypatch.setitem(ownership._CHECKS, "container", gone)
+    monkeypatch.setitem(liveness._CHECKS, "container", gone)
     registry.acquire(INVENTORY, owner("c", holder=Holder("container", "c-1")), count=4)
     assert registry.acquire(INVENTORY, owner("b"), count=1) == INVENTORY[:1]
     assert seen
@@ -474,7 +472,7 @@ def test_a_hung_engine_check_delays_no_other_grant(
         release.wait(10)
         return True
 
-    monkeypatch.setitem(ownership._CHECKS, "container", hung)
+    monkeypatch.setitem(liveness._CHECKS, "container", hung)
     registry.acquire(INVENTORY, owner("c", holder=Holder("container", "c-1")), count=3)
     refused: list[BaseException] = []
 
@@ -710,9 +708,9 @@ def test_a_holder_hidden_by_hidepid_is_alive(client: str) -> None:
     base = Path(tempfile.mkdtemp(prefix="gpu-hidepid-"))
     try:
         src = readable_copy(base)
-        ref = f"{ownership.boot_id()}:{holder.pid}:{ownership.process_start_time(holder.pid)}"
+        ref = f"{liveness.boot_id()}:{holder.pid}:{liveness.process_start_time(holder.pid)}"
         if client == "python":
-            check = [PYTHON, "-c", f"from gpuhost.leases import _process_alive, Holder; "
+            check = [PYTHON, "-c", f"from gpuhost.liveness import _process_alive, Holder; "
                      f"print(_process_alive(Holder('process', {ref!r})))"]  # fmt: skip
         else:
             script = src / "gpuhost" / "gpu-lease"
