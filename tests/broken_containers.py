@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from drivers.container import (
-    _KEEPALIVE_SCRIPT,
     KEEPALIVE_PATH,
+    KEEPALIVE_SCRIPT,
     ContainerDriver,
     ContainerRequest,
 )
@@ -109,7 +109,7 @@ class KeepaliveDirMounted(BrokenContainerDriver):
 
     def create_container(self, request: ContainerRequest) -> str:
         own = f"{KEEPALIVE_PATH}/{request.keepalive.name}"
-        script = _KEEPALIVE_SCRIPT.replace(KEEPALIVE_PATH, shlex.quote(own))
+        script = KEEPALIVE_SCRIPT.replace(KEEPALIVE_PATH, shlex.quote(own))
         changed = dataclasses.replace(
             request, keepalive=request.keepalive.parent, command=("sh", "-c", script)
         )

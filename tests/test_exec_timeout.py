@@ -11,13 +11,13 @@ import os
 import subprocess
 import time
 
-from drivers.container import _Timeout
+from drivers.container.sandbox import ExecTimer
 from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker
 
 
 def test_a_fired_timeout_kills_what_starts_after_it() -> None:
     marker, needle = exec_marker()
-    timer = _Timeout(0.1, needle)
+    timer = ExecTimer(0.1, needle)
     timer.start()
     try:
         time.sleep(0.5)  # fired, and found nothing to kill

@@ -49,105 +49,42 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import shutil
 import stat
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from gpuhost.devices import (
-    NVIDIACTL_MINOR,
-    SIMULATED_DRM_MAJOR,
-    SIMULATED_NVIDIA_MAJOR,
     DeviceNode,
     GpuDevice,
     normalize_pci_bus_id,
     sorted_by_pci,
 )
-from gpuhost.leases import Holder, liveness_check
-
-DEFAULT_ROOT = Path("/run/gpu-sandbox-sim")
-DEFAULT_COUNT = 8
-SANDBOX_SHARE = "/run/gpu-sim"
-MODEL = "NVIDIA H100 80GB HBM3"
-MEMORY_MIB = 81559
-# nvidia-uvm's major is assigned dynamically on real hosts; one kept for local use here.
-NVIDIA_MAJOR = SIMULATED_NVIDIA_MAJOR
-UVM_MAJOR = 121
-# The bus ids of an 8-GPU DGX H100 (from recorded lspci captures), then made-up ones.
-DGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
-# nvidia-caps and kfd have dynamic majors on real hosts too.
-CAPS_MAJOR = 122
-KFD_MAJOR = 123
-DRM_MAJOR = SIMULATED_DRM_MAJOR
-# /proc/driver/nvidia-caps/mig-minors: config 1, monitor 2, then per GPU minor 15 GPU
-# instances of 9 minors each (the GI's access, then its 8 compute instances').
-_CAPS_PER_GPU, _CAPS_PER_GI = 135, 9
-MIG_PROFILE = re.compile(r"^(?P<slices>[1-8])g\.(?P<gb>\d+)gb$")
-DRI_VENDORS = {
-    "intel": ("8086", "56a0", "Intel Arc A770", 16384),
-    "amd": ("1002", "740f", "AMD Instinct MI210", 65520),
-}
-# Where the simulated DRI GPUs sit on the PCI bus, per vendor, and how their nodes are
-# numbered: not in PCI order, and the render nodes crossed against the cards.
-DRI_BUSES = {"intel": ("0000:00:02.0", "0000:00:03.0"), "amd": ("0000:c1:00.0", "0000:c3:00.0")}
-_MARKER = "simulated-gpu-host"
-_OWNER = "owner"
-"""The lease holder (kind and ref) whose end ends the host, for ``sweep``."""
-CDI_VENDOR_SUFFIX = ".nvidia.com"
-REGISTERED_PREFIX = "gpu-sandbox-sim-"
-
-
-class SimulatedHostError(RuntimeError):
-    """The simulated host could not be set up, or a directory is not one."""
-
-
-@dataclass(frozen=True)
-class SimulatedHost:
-    root: Path
-    gpus: tuple[GpuDevice, ...]
-    cdi_kind: str
-    mig_devices: tuple[GpuDevice, ...] = ()
-    dri_gpus: tuple[GpuDevice, ...] = ()
-
-    @property
-    def share_dir(self) -> Path:
-        return self.root / "share"
-
-    @property
-    def nvidia_smi(self) -> Path:
-        return self.share_dir / "bin" / "nvidia-smi"
-
-    @property
-    def cdi_spec(self) -> Path:
-        return self.root / "cdi" / "nvidia-sim.yaml"
-
-    @property
-    def lease_dir(self) -> Path:
-        return self.root / "leases"
-
-    @property
-    def control_nodes(self) -> tuple[DeviceNode, ...]:
-        return tuple(
-            DeviceNode(f"/dev/{name}", major, minor, str(self.root / "dev" / name))
-            for name, major, minor in _CONTROL_NODES
-        )
-
-
-_CONTROL_NODES = (
-    ("nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR),
-    ("nvidia-uvm", UVM_MAJOR, 0),
-    ("nvidia-uvm-tools", UVM_MAJOR, 1),
-)
-
-
-MigLayout = Mapping[int, Sequence[str]]
-"""GPU position (PCI order) → the profiles of its MIG instances, e.g. {0: ["1g.10gb"] * 7}."""
-DriLayout = Mapping[str, int]
-"""Vendor (``intel``, ``amd``) → how many DRI GPUs of it."""
+from gpuhost.leases import Holder
+from gpuhost.simulated.cleanup import prune_registrations
+from gpuhost.simulated.cleanup import sweep as sweep
+from gpuhost.simulated.cleanup import teardown as teardown
+from gpuhost.simulated.host import CAPS_MAJOR as CAPS_MAJOR
+from gpuhost.simulated.host import CDI_VENDOR_SUFFIX, CONTROL_NODES, MARKER, OWNER, mknod
+from gpuhost.simulated.host import DEFAULT_COUNT as DEFAULT_COUNT
+from gpuhost.simulated.host import DEFAULT_ROOT as DEFAULT_ROOT
+from gpuhost.simulated.host import DGX_BUSES as DGX_BUSES
+from gpuhost.simulated.host import DRM_MAJOR as DRM_MAJOR
+from gpuhost.simulated.host import KFD_MAJOR as KFD_MAJOR
+from gpuhost.simulated.host import MEMORY_MIB as MEMORY_MIB
+from gpuhost.simulated.host import MODEL as MODEL
+from gpuhost.simulated.host import NODE_GID as NODE_GID
+from gpuhost.simulated.host import NVIDIA_MAJOR as NVIDIA_MAJOR
+from gpuhost.simulated.host import REGISTERED_PREFIX as REGISTERED_PREFIX
+from gpuhost.simulated.host import SANDBOX_SHARE as SANDBOX_SHARE
+from gpuhost.simulated.host import UVM_MAJOR as UVM_MAJOR
+from gpuhost.simulated.host import DriLayout as DriLayout
+from gpuhost.simulated.host import MigLayout as MigLayout
+from gpuhost.simulated.host import SimulatedHost as SimulatedHost
+from gpuhost.simulated.host import SimulatedHostError as SimulatedHostError
+from gpuhost.simulated.layouts import bus_id, check_layouts, gpu_minor, make_dri, make_mig
+from gpuhost.simulated.layouts import parse_dri_layout as parse_dri_layout
+from gpuhost.simulated.layouts import parse_mig_layout as parse_mig_layout
 
 
 def setup(
@@ -167,33 +104,33 @@ def setup(
     mig, dri = dict(mig or {}), dict(dri or {})
     if count < 1:
         raise SimulatedHostError(f"count must be at least 1, got {count}")
-    _check_layouts(count, mig, dri)
+    check_layouts(count, mig, dri)
     if root.exists():
         teardown(root)
     dev = root / "dev"
     bindir = root / "share" / "bin"
     dev.mkdir(parents=True)
     bindir.mkdir(parents=True)
-    (root / _MARKER).write_text("created by gpuhost.simulated; remove with `teardown`\n")
+    (root / MARKER).write_text("created by gpuhost.simulated; remove with `teardown`\n")
     if owner is not None:
-        (root / _OWNER).write_text(f"{owner.kind} {owner.ref}\n")
+        (root / OWNER).write_text(f"{owner.kind} {owner.ref}\n")
 
     rows = []
     for position in range(count):
-        minor = _minor(position, count)
-        rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, _bus_id(position), MEMORY_MIB))
-        _mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
-    for name, major, minor in _CONTROL_NODES:
-        _mknod(dev / name, major, minor)
+        minor = gpu_minor(position, count)
+        rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, bus_id(position), MEMORY_MIB))
+        mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
+    for name, major, minor in CONTROL_NODES:
+        mknod(dev / name, major, minor)
     (root / "share" / "control-nodes.tsv").write_text(
-        "# name\tmajor\tminor\n" + "".join(f"{n}\t{ma}\t{mi}\n" for n, ma, mi in _CONTROL_NODES)
+        "# name\tmajor\tminor\n" + "".join(f"{n}\t{ma}\t{mi}\n" for n, ma, mi in CONTROL_NODES)
     )
     (root / "share" / "inventory.tsv").write_text(
         "# minor\tuuid\tname\tpci.bus_id\tmemory.total [MiB]\n"
         + "".join("\t".join(map(str, row)) + "\n" for row in sorted(rows))
     )
-    _make_mig(root, {_minor(p, count): profiles for p, profiles in mig.items()})
-    _make_dri(root, dri)
+    make_mig(root, {gpu_minor(p, count): profiles for p, profiles in mig.items()})
+    make_dri(root, dri)
     package = resources.files(__package__)
     for name in ("nvidia-smi", "nvidia-smi.awk", "dri-gpus"):
         target = bindir / name
@@ -211,7 +148,7 @@ def setup(
     host.lease_dir.chmod(0o1777)  # every user's sandboxes may take its GPUs (lease protocol)
     if cdi_dir is not None:
         cdi_dir.mkdir(parents=True, exist_ok=True)
-        _prune_registrations(cdi_dir)
+        prune_registrations(cdi_dir)
         registered = cdi_dir / f"{REGISTERED_PREFIX}{token}.yaml"
         registered.with_suffix(".tmp").write_text(host.cdi_spec.read_text())
         registered.with_suffix(".tmp").rename(registered)  # engines never read half a spec
@@ -219,121 +156,11 @@ def setup(
     return host
 
 
-def parse_mig_layout(text: str) -> dict[int, list[str]]:
-    """``0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb`` (GPU position:count x profile) as a layout.
-
-    A GPU may be named again: its instances add up (GPU 1 there has three 2g and one 1g).
-    """
-    layout: dict[int, list[str]] = {}
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        match = re.fullmatch(r"(?P<gpu>\d+):(?:(?P<count>\d+)x)?(?P<profile>\S+)", entry)
-        if not match:
-            raise SimulatedHostError(f"not a MIG layout entry: {entry!r} (e.g. 0:7x1g.10gb)")
-        profiles = [match["profile"]] * int(match["count"] or 1)
-        layout.setdefault(int(match["gpu"]), []).extend(profiles)
-    return layout
-
-
-def parse_dri_layout(text: str) -> dict[str, int]:
-    """``intel:1,amd:2`` (vendor:count) as a layout."""
-    layout: dict[str, int] = {}
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        vendor, _, number = entry.partition(":")
-        if not number.isdigit():
-            raise SimulatedHostError(f"not a DRI layout entry: {entry!r} (e.g. amd:2)")
-        layout[vendor] = layout.get(vendor, 0) + int(number)
-    return layout
-
-
-def _check_layouts(count: int, mig: MigLayout, dri: DriLayout) -> None:
-    for position, profiles in mig.items():
-        if not 0 <= position < count:
-            raise SimulatedHostError(f"MIG on GPU {position}, but the host has {count} GPUs")
-        if not profiles or len(profiles) > 7:
-            raise SimulatedHostError(f"GPU {position}: 1 to 7 MIG instances, got {profiles}")
-        for profile in profiles:
-            if not MIG_PROFILE.match(profile):
-                raise SimulatedHostError(f"not a MIG profile: {profile!r} (e.g. 1g.10gb)")
-    for vendor, number in dri.items():
-        if vendor not in DRI_BUSES:
-            raise SimulatedHostError(f"DRI GPUs of {vendor!r}: choose {', '.join(DRI_BUSES)}")
-        if not 1 <= number <= len(DRI_BUSES[vendor]):
-            raise SimulatedHostError(
-                f"{number} {vendor} GPUs: 1 to {len(DRI_BUSES[vendor])} can be simulated"
-            )
-
-
-def _caps_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    """The nvidia-caps minor of a GPU instance's access, or of its compute instance's."""
-    base = 3 + gpu_minor * _CAPS_PER_GPU + gi * _CAPS_PER_GI
-    return base if ci is None else base + 1 + ci
-
-
-def _make_mig(root: Path, mig: Mapping[int, Sequence[str]]) -> None:
-    """The MIG instances of each GPU minor: cap nodes, share/mig.tsv, share/mig-minors."""
-    caps = root / "dev" / "nvidia-caps"
-    if mig:
-        caps.mkdir()
-    rows, minors = [], ["config 1", "monitor 2"]
-    for gpu_minor, profiles in sorted(mig.items()):
-        for index, profile in enumerate(profiles):
-            gi, ci = index + 1, 0  # GPU instance 0 is the whole GPU's: real ones start at 1
-            gi_minor, ci_minor = _caps_minor(gpu_minor, gi), _caps_minor(gpu_minor, gi, ci)
-            for minor in (gi_minor, ci_minor):
-                _mknod(caps / f"nvidia-cap{minor}", CAPS_MAJOR, minor)
-            minors += [
-                f"gpu{gpu_minor}/gi{gi}/access {gi_minor}",
-                f"gpu{gpu_minor}/gi{gi}/ci{ci}/access {ci_minor}",
-            ]
-            memory = int(MIG_PROFILE.match(profile)["gb"]) * 1024  # type: ignore[index]
-            rows.append((gpu_minor, index, gi, ci, profile, f"MIG-{uuid.uuid4()}",
-                         gi_minor, ci_minor, memory))  # fmt: skip
-    (root / "share" / "mig.tsv").write_text(
-        "# gpu minor\tindex\tgi\tci\tprofile\tuuid\tgi cap minor\tci cap minor\t"
-        f"memory [MiB]\tcaps major {CAPS_MAJOR}\tgpu major {NVIDIA_MAJOR}\n"
-        + "".join("\t".join(map(str, row)) + "\n" for row in rows)
-    )
-    (root / "share" / "mig-minors").write_text("".join(f"{line}\n" for line in minors))
-
-
-def _make_dri(root: Path, dri: DriLayout) -> None:
-    """DRI GPUs: card and render nodes, by-path links, PCI records, kfd, share/dri.tsv."""
-    buses = [
-        (bus, vendor) for vendor in DRI_BUSES for bus in DRI_BUSES[vendor][: dri.get(vendor, 0)]
-    ]
-    count = len(buses)
-    drm = root / "dev" / "dri"
-    if buses:
-        (drm / "by-path").mkdir(parents=True)
-    rows = []
-    for position, (bus, vendor) in enumerate(sorted(buses)):
-        vendor_id, device_id, name, memory = DRI_VENDORS[vendor]
-        # Cards in reverse PCI order; render nodes rotated against them: card and render
-        # numbers tell nothing of which belong together, only the PCI address does.
-        card, render = count - 1 - position, 128 + (position + 1) % count
-        _mknod(drm / f"card{card}", DRM_MAJOR, card)
-        _mknod(drm / f"renderD{render}", DRM_MAJOR, render)
-        (drm / "by-path" / f"pci-{bus}-card").symlink_to(f"../card{card}")
-        (drm / "by-path" / f"pci-{bus}-render").symlink_to(f"../renderD{render}")
-        device = root / "sys" / "bus" / "pci" / "devices" / bus
-        device.mkdir(parents=True)
-        for field, value in (("vendor", vendor_id), ("device", device_id), ("class", "030000")):
-            (device / field).write_text(f"0x{value}\n")
-        rows.append((bus, vendor, name, card, render, memory))
-    if any(vendor == "amd" for _, vendor in buses):
-        _mknod(root / "dev" / "kfd", KFD_MAJOR, 0)
-    (root / "share" / "dri.tsv").write_text(
-        "# pci.bus_id\tvendor\tname\tcard\trender\tmemory [MiB]\t"
-        f"kfd major {KFD_MAJOR}\tdrm major {DRM_MAJOR}\n"
-        + "".join("\t".join(map(str, row)) + "\n" for row in rows)
-    )
-
-
 def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
     """The simulated host under ``root``, as ``setup`` left it."""
-    if not (root / _MARKER).is_file():
+    if not (root / MARKER).is_file():
         raise SimulatedHostError(
-            f"{root} is not a simulated GPU host (no {_MARKER} marker); "
+            f"{root} is not a simulated GPU host (no {MARKER} marker); "
             f"create one with `python -m gpuhost.simulated setup --root {root}`"
         )
     kind = (root / "cdi" / "kind").read_text().strip()
@@ -357,8 +184,8 @@ def load(root: Path = DEFAULT_ROOT) -> SimulatedHost:
     ordered = sorted_by_pci(gpus)
     by_minor = {gpu.minor: gpu for gpu in ordered}
     migs = []
-    for gpu_minor, index, _, _, profile, mig_uuid, gi_minor, ci_minor, memory in mig_rows:
-        parent = by_minor[int(gpu_minor)]
+    for parent_minor, index, _, _, profile, mig_uuid, gi_minor, ci_minor, memory in mig_rows:
+        parent = by_minor[int(parent_minor)]
         caps = tuple(
             _node(root, f"nvidia-caps/nvidia-cap{minor}", CAPS_MAJOR, int(minor))
             for minor in (gi_minor, ci_minor)
@@ -474,83 +301,6 @@ def _node(root: Path, name: str, major: int, minor: int) -> DeviceNode:
     return DeviceNode(f"/dev/{name}", major, minor, str(root / "dev" / name))
 
 
-def teardown(root: Path = DEFAULT_ROOT) -> None:
-    """Remove a simulated host; refuses a directory that ``setup`` did not make."""
-    if not root.exists():
-        return
-    if not (root / _MARKER).is_file():
-        raise SimulatedHostError(f"refusing to remove {root}: not a simulated GPU host")
-    registration = root / "cdi" / "registered"
-    if registration.is_file():
-        _unregister(Path(registration.read_text().strip()), root)
-    shutil.rmtree(root)
-
-
-def _unregister(registered: Path, root: Path) -> None:
-    """Remove the host's CDI registration: only a file of ours, named as ``setup`` names it.
-
-    The path is read from the host's own directory, which its maker may have changed: a
-    file of another name, a link, or one whose spec is not this host's stays where it is.
-    """
-    if not re.fullmatch(rf"{re.escape(REGISTERED_PREFIX)}[0-9a-f]+\.yaml", registered.name):
-        return
-    try:
-        with open(registered, "rb", opener=_no_follow) as spec:
-            ours = spec.read() == (root / "cdi" / "nvidia-sim.yaml").read_bytes()
-    except OSError:  # gone, a link (ELOOP), unreadable: not ours to remove
-        return
-    if ours:
-        registered.unlink(missing_ok=True)
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
-
-
-def sweep(base: Path) -> list[Path]:
-    """Remove the simulated hosts under ``base`` whose owner is gone; return their roots.
-
-    Runs killed before their teardown leave theirs behind. Hosts with no owner, or an owner
-    of a kind with no liveness check, stay.
-    """
-    gone = [root for root in sorted(base.glob("*/")) if _owner_gone(root)]
-    for root in gone:
-        teardown(root)
-    return gone
-
-
-def _root_of(node: Path) -> Path | None:
-    return next((parent for parent in node.parents if (parent / _MARKER).is_file()), None)
-
-
-def _owner_gone(root: Path) -> bool:
-    try:
-        kind, ref = (root / _OWNER).read_text().split()
-    except (OSError, ValueError):
-        return False  # no owner: not ours to judge
-    check = liveness_check(kind)
-    return check is not None and not check(Holder(kind, ref)) and (root / _MARKER).is_file()
-
-
-def _prune_registrations(cdi_dir: Path) -> None:
-    """Unregister the specs of simulated hosts that are gone, or whose owner is gone.
-
-    Both are left by runs killed before their teardown; a host whose owner is gone goes too.
-    """
-    import yaml
-
-    for spec in cdi_dir.glob(f"{REGISTERED_PREFIX}*.yaml"):
-        try:
-            nodes = yaml.safe_load(spec.read_text())["containerEdits"]["deviceNodes"]
-            node = Path(nodes[0]["hostPath"])
-        except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
-            continue  # not ours to judge
-        if not node.exists():
-            spec.unlink(missing_ok=True)
-        elif (root := _root_of(node)) is not None and _owner_gone(root):
-            teardown(root)
-
-
 def cdi_spec(host: SimulatedHost) -> dict[str, object]:
     """A CDI spec in nvidia-ctk's shape, pointing at the simulated nodes and nvidia-smi."""
 
@@ -594,39 +344,3 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
             ],
         },
     }
-
-
-def _bus_id(position: int) -> str:
-    """The DGX H100's bus ids, then made-up ones: 32 per PCI domain from bus e0."""
-    if position < len(DGX_BUSES):
-        return f"00000000:{DGX_BUSES[position].upper()}:00.0"
-    extra = position - len(DGX_BUSES)
-    return f"{extra // 32:08X}:{0xE0 + extra % 32:02X}:00.0"
-
-
-def _minor(position: int, count: int) -> int:
-    """The device minor of the GPU at ``position`` in PCI order: never its index.
-
-    On real hosts the minors follow the order the driver probed the GPUs in, not PCI order
-    (for two or more GPUs; one GPU is minor 0).
-    """
-    return (position + (count + 1) // 2) % count
-
-
-NODE_GID = 1_999_000_001
-"""The group of the simulated nodes, mode 0660: root, and the sandboxes given them (a root-run
-reference sandbox gets its nodes' groups), may open them; no other local user. Their majors
-are the real drivers' (the suite tells NVIDIA's nodes by them): on a host where those drivers
-are loaded, they open real devices, so a GPU host is never simulated by the suite."""
-
-
-def _mknod(path: Path, major: int, minor: int) -> None:
-    try:
-        os.mknod(path, 0o660 | stat.S_IFCHR, os.makedev(major, minor))
-    except PermissionError as exc:
-        raise SimulatedHostError(
-            f"cannot create the character device {path} ({major}:{minor}): {exc}; "
-            "setting up a simulated GPU host needs root (CAP_MKNOD)"
-        ) from None
-    os.chown(path, 0, NODE_GID)
-    path.chmod(0o660)  # mknod's mode is filtered by the umask

@@ -1,124 +1,34 @@
-"""What the docker and podman drivers share: CDI injection, labels, leases, keepalive.
-
-A container sandbox is a container started from the user's image (``--image``, or the
-spec's ``image``) with no network, no capabilities, ``no-new-privileges``, and no devices
-but the CDI devices of the GPUs it was given. GPUs come from the host-wide lease registry,
-so a GPU held by any local driver's sandbox is never handed out again. Every container
-carries labels: the session, the sandbox id, the driver and the CDI devices it holds.
-
-A lease's holder is the container itself: the lease lives while the engine knows the
-container, so removing it out-of-band (``docker rm -f``) frees its GPUs. Containers are
-started with auto-remove, so a container whose main process dies is gone too. The main
-process reads a FIFO (the keepalive) whose write end only the creating process holds: when
-the creator dies, the read sees end-of-file, the container exits and is removed, and its
-GPUs come back, as a bubblewrap sandbox dies with its parent.
-"""
+"""The engine-independent container driver: probe, CDI devices, start, reap."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
-from drivers.base import (
-    Availability,
-    Command,
-    CommandTimedOut,
-    Driver,
-    Launch,
-    Output,
-    Sandbox,
-    write_all,
+from drivers.base import Availability, Driver, Launch, write_all
+from drivers.container.api import (
+    DEVICES_LABEL,
+    DRIVER_LABEL,
+    REAP_TIMEOUT_S,
+    SANDBOX_LABEL,
+    SESSION_LABEL,
+    ContainerRequest,
+    EngineError,
+    ExecOutput,
 )
+from drivers.container.keepalive import KEEPALIVE_OPEN_TIMEOUT_S, KEEPALIVE_SCRIPT, Keepalive
+from drivers.container.sandbox import ContainerSandbox
 from drivers.images import DEFAULT_IMAGE
 from gpuhost import cdi
-from gpuhost.devices import CDI_KIND, DeviceNode, GpuDevice
-from gpuhost.errors import (
-    SandboxExecError,
-    SandboxStartError,
-    UnknownImage,
-)
-from gpuhost.leases import Holder, LeaseRegistry
-from gpuhost.procfs import kill_marked
+from gpuhost.devices import CDI_KIND, GpuDevice
+from gpuhost.errors import SandboxStartError, UnknownImage
+from gpuhost.leases import Holder
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
-
-LABEL_PREFIX = "io.gpu-sandbox."
-SESSION_LABEL = LABEL_PREFIX + "session"
-SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
-DRIVER_LABEL = LABEL_PREFIX + "driver"
-DEVICES_LABEL = LABEL_PREFIX + "cdi-devices"
-KEEPALIVE_PATH = "/run/gpu-sandbox-keepalive"
-API_TIMEOUT_S = 60
-"""For every engine call but exec, which runs as long as the command: a minute means stuck."""
-LIVENESS_TIMEOUT_S = 5
-"""Does a container still exist? An engine answers in milliseconds; a request waits on it."""
-EXEC_API_TIMEOUT_S = 24 * 3600
-"""Exec's own timeout kills the command, which ends the call; this only bounds a lost engine."""
-STOP_TIMEOUT_S = 10
-"""A container whose keepalive closed exits in milliseconds; then it is removed by force."""
-REAP_TIMEOUT_S = 30.0
-KEEPALIVE_OPEN_TIMEOUT_S = 30.0
-"""A started container's shell opens its keepalive in milliseconds; a start may be slow."""
-
-
-@dataclass(frozen=True)
-class ContainerRequest:
-    """Everything the engine needs to start one sandbox's container."""
-
-    name: str
-    image: str
-    command: tuple[str, ...]
-    labels: Mapping[str, str]
-    cdi_devices: tuple[str, ...]
-    env: Mapping[str, str]
-    keepalive: Path
-    """A FIFO on the host, bound read-only at ``KEEPALIVE_PATH`` inside."""
-    device_nodes: tuple[DeviceNode, ...] = ()
-    """Nodes passed as they are, read-write at the same path: AMD and Intel GPUs' DRI nodes
-    (and /dev/kfd), as ROCm's and Intel's container guides pass them; NVIDIA's go by CDI."""
-    tool_mounts: tuple[tuple[str, str], ...] = ()
-    """Read-only binds (host path, container path) of a simulated host's GPU tools, for
-    devices no CDI spec brings them with (its spec mounts them with NVIDIA's)."""
-
-
-@dataclass(frozen=True)
-class ExecOutput:
-    returncode: int
-    stdout: bytes
-    stderr: bytes
-
-
-Client = TypeVar("Client")
-
-
-def client_cache(make: Callable[[str, int], Client]) -> Callable[[str, int], Client]:
-    """One engine client per URL, timeout, process and thread.
-
-    A forked child must not share its parent's connections, and a client's HTTP session is
-    not made for threads: an exec's hijacked stream read while another thread uses the same
-    session can come back empty. Exec's client waits as long as the command runs.
-    """
-    local = threading.local()
-
-    def client(url: str, timeout: int) -> Client:
-        clients: dict[tuple[str, int, int], Client] = local.__dict__.setdefault("clients", {})
-        key = (url, timeout, os.getpid())
-        if key not in clients:
-            clients[key] = make(url, timeout)
-        return clients[key]
-
-    return client
-
-
-class EngineError(Exception):
-    """An engine call failed; the message is the engine's own."""
 
 
 class ContainerDriver(Driver):
@@ -360,7 +270,7 @@ class ContainerDriver(Driver):
         request = ContainerRequest(
             name=f"gpu-sandbox-{launch.sandbox_id}",
             image=launch.request.image or self.image or DEFAULT_IMAGE,
-            command=("sh", "-c", _KEEPALIVE_SCRIPT),
+            command=("sh", "-c", KEEPALIVE_SCRIPT),
             labels={
                 SESSION_LABEL: self.session_id,
                 SANDBOX_LABEL: launch.sandbox_id,
@@ -483,169 +393,3 @@ class ContainerDriver(Driver):
         image = image or self.image or DEFAULT_IMAGE
         devices = [f"--device={device}" for device in cdi_devices]
         return self.cli_argv("run", "--rm", "--network=none", *devices, image, *argv)
-
-
-@dataclass
-class Keepalive:
-    """A FIFO whose only write end the creating process holds: the container reads it."""
-
-    path: Path
-    fd: int
-
-    @classmethod
-    def open(cls, path: Path) -> Keepalive:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkfifo(path, 0o600)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        _KEEPALIVE_FDS.add(fd)
-        return cls(path, fd)
-
-    def seal(self, pid: int, timeout_s: float) -> None:
-        """Once the container's main process has the FIFO open, let nothing open it to write.
-
-        That process (``pid``, the first, or its child under the engine's init) opens it
-        read-write (which never blocks), so until then its owner, the container's root, may
-        write it; after, a command in the container that opened it to write would keep the
-        container alive past its creator. Without capabilities (every container's are
-        dropped) root is held to the owner's bits like anyone, and the FIFO's are now
-        read-only.
-        """
-        fifo = os.stat(self.path)
-
-        def opened() -> bool:
-            # The engine's init is the first process; the keepalive's shell, its child.
-            try:
-                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            except FileNotFoundError:
-                raise SandboxStartError(
-                    f"the container's first process (pid {pid}) ended before its keepalive "
-                    f"{self.path} was opened: has the image a /bin/sh?"
-                ) from None
-            for process in (pid, *children):
-                with contextlib.suppress(OSError):
-                    for fd in os.listdir(f"/proc/{process}/fd"):
-                        st = os.stat(f"/proc/{process}/fd/{fd}")
-                        if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
-                            return True
-            return False
-
-        try:
-            wait_for(
-                opened,
-                bool,
-                timeout_s=timeout_s,
-                what=f"the container's first process (pid {pid}) to open its keepalive",
-                interval_s=0.002,
-            )
-        except TimeoutError as exc:
-            raise SandboxStartError(str(exc)) from None
-        os.chmod(self.path, 0o400)
-
-    def close(self) -> None:
-        """Without its last writer, the container's main process exits by itself."""
-        if self.fd in _KEEPALIVE_FDS:
-            _KEEPALIVE_FDS.discard(self.fd)
-            os.close(self.fd)
-        self.path.unlink(missing_ok=True)
-
-
-class ContainerSandbox(Sandbox):
-    """A running container of one engine: the container holds its leases."""
-
-    def __init__(
-        self,
-        sandbox_id: str,
-        driver: str,
-        gpus: tuple[GpuDevice, ...],
-        holder: Holder,
-        container_id: str,
-        cdi_devices: tuple[str, ...],
-        keepalive: Keepalive,
-        engine: ContainerDriver,
-        leases: LeaseRegistry,
-    ) -> None:
-        super().__init__(sandbox_id, driver, gpus, holder, leases)
-        self.container_id = container_id
-        self.cdi_devices = cdi_devices
-        self._keepalive = keepalive
-        self._engine = engine
-
-    def run(self, command: Command, output: Output) -> int:
-        # Engines have no call to stop an exec: at the timeout the timer kills what it started.
-        timer = _Timeout(command.timeout, command.needle)
-        timer.start()
-        try:
-            if output.fds is None:
-                done = self._engine.exec_in(self.container_id, command.argv, command.env)
-                output.stdout(done.stdout)
-                output.stderr(done.stderr)
-                returncode = done.returncode
-            else:
-                returncode = self._engine.exec_stream_in(
-                    self.container_id, command.argv, command.env, *output.fds
-                )
-        except EngineError as exc:
-            if timer.fired:
-                raise CommandTimedOut from exc
-            raise SandboxExecError(
-                f"cannot run {list(command.argv)!r} in sandbox {self.id}: {exc}"
-            ) from exc
-        finally:
-            timer.cancel()
-        if timer.fired:
-            raise CommandTimedOut
-        return returncode
-
-    def stop(self) -> None:
-        self._keepalive.close()
-        self._engine.stop_container(self.container_id)
-
-    def kill(self) -> None:
-        self._engine.kill_container(self.container_id)
-
-
-# The container's main process: it reads the keepalive FIFO until every writer is gone. It
-# opens the FIFO read-write first, which never blocks (a read-only open waits for a writer,
-# forever if the creator died before), then drops its own write end.
-_KEEPALIVE_SCRIPT = f"exec 3<>{KEEPALIVE_PATH} 4<{KEEPALIVE_PATH} 3>&-; exec cat <&4 >/dev/null"
-_KEEPALIVE_FDS: set[int] = set()
-
-
-def _close_keepalives_in_child() -> None:
-    # A child forked without exec would hold the write ends and keep its parent's
-    # containers alive after the parent died.
-    for fd in _KEEPALIVE_FDS:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _KEEPALIVE_FDS.clear()
-
-
-os.register_at_fork(after_in_child=_close_keepalives_in_child)
-
-
-KILL_RESCAN_S = 0.05
-"""How often a fired exec timeout looks again for what the exec started."""
-
-
-class _Timeout(threading.Timer):
-    """Kills, when it fires, every process an exec started: those carrying its marker.
-
-    Engines have no call to stop an exec; what an exec starts inherits its environment,
-    setsid or not, so the marker finds it wherever it went in the container (a process that
-    clears its own environment escapes). Finding them reads the host's /proc: the suite must
-    run as root, or as the user of a rootless engine, for a timeout to kill anything.
-    """
-
-    def __init__(self, timeout: float, needle: bytes) -> None:
-        super().__init__(timeout, self._kill)
-        self.daemon = True
-        self.fired = False
-        self._needle = needle
-
-    def _kill(self) -> None:
-        # Until the exec returns: under load the engine may start the command only after the
-        # timeout, when one scan would find nothing, and the command would run unbounded.
-        self.fired = True
-        while not self.finished.is_set():
-            kill_marked(self._needle)
-            self.finished.wait(KILL_RESCAN_S)
