@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpu_sandbox.flags import GpuFlags, flag_of, flag_text, spec_dict
 from gpuhost.errors import FIELD_LIMIT, PATH_LIMIT, named, shown
-from gpuhost.spec import MAX_INT_DIGITS
+from gpuhost.requestjson import MAX_INT_DIGITS
 
 if TYPE_CHECKING:
     from drivers.base import Driver
@@ -606,7 +606,7 @@ def _request(args: argparse.Namespace, flags: GpuFlags, driver: Driver) -> Any:
     """The request: ``--request``'s JSON, or what the flags make for ``driver``."""
     if args.request is None:
         return spec_dict(flags, driver.name, driver.capabilities.id_keys)
-    from gpuhost.spec import read_json
+    from gpuhost.requestjson import read_json
 
     path = None if args.request == "-" else Path(args.request)
     text = _read_text(path, flag_text("--request", args.request, PATH_LIMIT))

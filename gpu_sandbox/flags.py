@@ -40,7 +40,8 @@ from gpuhost.errors import (
     named,
     shown,
 )
-from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, block_field, read_json
+from gpuhost.requestjson import read_json
+from gpuhost.spec import DEVICE_IDS_KEY, ENVELOPE, block_field
 
 REQUEST_FLAGS = (
     "--gpu",

@@ -21,7 +21,6 @@ judges that block and the GPU request against the driver's capabilities.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from gpuhost.errors import (
     named,
     shown,
 )
+from gpuhost.requestjson import MAX_DEPTH, MAX_INT_DIGITS, deep_freeze, kind, read_json, thawed
 
 DEFAULT_GPU_COUNT = 1
 EXCLUSIVE, SHARED = "exclusive", "shared"
@@ -50,12 +50,6 @@ CHOICE_KEYS = (MIG_PROFILE_KEY, VENDOR_KEY)
 """Keys of a driver's block that pick what counts and defaults choose among."""
 ENVELOPE = "template.driver_config"
 """Where the driver-keyed envelope lives in a request."""
-MAX_DEPTH = 32
-"""How deep a request's values may nest: its own shape is five levels deep, a block's
-options a few more."""
-MAX_INT_DIGITS = 4300
-"""The longest integer a request may hold: Python's own limit for converting one to text
-(``sys.get_int_max_str_digits``), past which it could be neither read nor shown."""
 _SPEC_KEYS = frozenset({"resource_requirements", "template"})
 _TEMPLATE_KEYS = frozenset({"image", "env", "driver_config"})
 _MOVED_INTO_TEMPLATE = ("driver_config", "image", "env")
@@ -229,68 +223,6 @@ class GpuPlan:
     """Counts and defaults pick instances of this MIG profile, not whole GPUs."""
     vendor: str | None = None
     """Counts and defaults pick GPUs of this vendor; None: the host's default vendor."""
-
-
-def read_json(
-    text: str,
-    field: str = "spec",
-    what: str = "spec",
-    error: type[InvalidGpuRequest] = InvalidGpuRequest,
-) -> Any:
-    """JSON text as a request holds it, or ``error`` at ``field`` saying why not.
-
-    The one reader of JSON in requests (``parse_spec``, ``--request``,
-    ``--driver-config-json``), and strict: a key given twice in one object (the last would
-    win in silence), ``NaN`` and ``Infinity`` (not JSON), a number no float holds, an integer
-    of more than ``MAX_INT_DIGITS`` digits and nesting past what the parser recurses into are
-    refused. ``what`` names the text in the message.
-    """
-    try:
-        return json.loads(
-            text,
-            object_pairs_hook=_object,
-            parse_constant=_constant,
-            parse_int=_integer,
-            parse_float=_float,
-        )
-    except json.JSONDecodeError as exc:
-        problem = f"is not valid JSON: {exc}"
-    except (_NotStrictJson, ValueError) as exc:
-        problem = f"is not strict JSON: {exc}"
-    except RecursionError:
-        problem = f"nests deeper than a request may ({MAX_DEPTH} levels)"
-    raise error(field, text, f"{what} {problem}, in {shown(text)}") from None
-
-
-class _NotStrictJson(Exception):
-    pass
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    made: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in made:
-            raise _NotStrictJson(f"the key {shown(key)} is given twice in one object")
-        made[key] = value
-    return made
-
-
-def _constant(name: str) -> float:
-    raise _NotStrictJson(f"{name} is not a JSON number")
-
-
-def _integer(text: str) -> int:
-    size = len(text.lstrip("-"))
-    if size > MAX_INT_DIGITS:
-        raise _NotStrictJson(f"an integer of {size} digits (at most {MAX_INT_DIGITS})")
-    return int(text)
-
-
-def _float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise _NotStrictJson(f"the number {shown(text)} is too large for a float")
-    return number
 
 
 def parse_spec(data: Mapping[str, Any] | str) -> SandboxSpec:
@@ -517,36 +449,5 @@ def _reject_unknown_keys(
 
 
 def _freeze(config: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
-    frozen: Mapping[str, Mapping[str, Any]] = _deep_freeze(config)
+    frozen: Mapping[str, Mapping[str, Any]] = deep_freeze(config)
     return frozen
-
-
-def _deep_freeze(value: Any) -> Any:
-    """Read-only copies all the way down: nothing the caller keeps can change the spec."""
-    if isinstance(value, Mapping):
-        return MappingProxyType({str(k): _deep_freeze(v) for k, v in value.items()})
-    if isinstance(value, list | tuple):
-        return tuple(_deep_freeze(item) for item in value)
-    return value
-
-
-def thawed(value: Any) -> Any:
-    """The plain dicts and lists a frozen value was made from, for messages and JSON."""
-    if isinstance(value, Mapping):
-        return {k: thawed(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [thawed(item) for item in value]
-    return value
-
-
-def kind(value: object) -> str:
-    """A JSON value's kind in words, for messages."""
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        float: "a number",
-        int: "an integer",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)

@@ -20,6 +20,7 @@ from gpuhost.errors import (
     UnsupportedGpuRequest,
     shown,
 )
+from gpuhost.requestjson import kind, thawed
 from gpuhost.spec import (
     CHOICE_KEYS,
     DEFAULT_GPU_COUNT,
@@ -33,8 +34,6 @@ from gpuhost.spec import (
     DriverCapabilities,
     DriverRequest,
     GpuPlan,
-    kind,
-    thawed,
 )
 
 SUPERSEDED_BLOCK_KEYS = {"device_ids": DEVICE_IDS_KEY, "device_id": DEVICE_IDS_KEY}

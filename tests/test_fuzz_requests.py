@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from gpuhost import cdi, simulated
 from gpuhost.errors import GpuAllocationError, RequestError, shown
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.requestjson import MAX_DEPTH
 from gpuhost.spec import (
     DEVICE_IDS_KEY,
-    MAX_DEPTH,
     VENDORS,
     SandboxSpec,
     parse_spec,

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuhost.errors import InvalidDriverConfig, named, shown
-from gpuhost.spec import check_image, thawed
+from gpuhost.requestjson import thawed
+from gpuhost.spec import check_image
 
 OPTION_KEYS = ("runtime_class_name", "node_selector", "image")
 """The keys of its own block it reads, beside the common ones: a pod's runtime class, the

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from gpuhost.spec import thawed
+from gpuhost.requestjson import thawed
 
 LABEL_PREFIX = "gpu-sandbox.dev/"
 SESSION_LABEL = LABEL_PREFIX + "session"
