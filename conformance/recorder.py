@@ -15,7 +15,8 @@ from datetime import UTC, datetime
 import pytest
 
 from conformance import requirements
-from conformance.report import Entry, Results, entry, text_table, to_markdown, write
+from conformance.render import text_table, to_markdown, write
+from conformance.report import Entry, Results, entry
 from conformance.settings import Settings, driver_of, gpu_properties, settings_key
 from drivers.base import Driver
 

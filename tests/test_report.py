@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conformance import requirements
-from conformance.report import Entry, Results, main, to_html, to_markdown, write
+from conformance.render import to_html, to_markdown, write
+from conformance.report import Entry, Results, main
 
 ROOT = Path(__file__).parent.parent
 REPORTS = ROOT / "reports"

@@ -1,0 +1,208 @@
+"""A run's results as people read them: the text table, the HTML matrix, the Markdown summary."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conformance.report import Cell, Results, Status
+
+LABELS: dict[Status, str] = {
+    "passed": "pass",
+    "partial": "partial",
+    "failed": "fail",
+    "skipped": "skip",
+    "not applicable": "n/a",
+    "not run": "not run",
+}
+MARKS: dict[Status, str] = {
+    "passed": "✅",
+    "partial": "☑️",
+    "failed": "❌",
+    "skipped": "⏭️",
+    "not applicable": "⚪",
+    "not run": "⬜",
+}
+
+
+def gpus_line(results: Results) -> str:
+    header = results.header
+    if not header.get("gpu_count"):
+        return "no GPUs found"
+    kind = "SIMULATED" if header.get("simulated") else "real"
+    return f"{header['gpu_count']} x {header['gpu_model']} ({kind})"
+
+
+def text_table(results: Results) -> list[str]:
+    drivers = list(results.drivers)
+    first = max(len("requirement"), *(len(req) for req in results.cells)) + 2
+    width = max(len("not applicable"), *(len(driver) for driver in drivers)) + 2
+    lines = ["requirement".ljust(first) + "".join(driver.ljust(width) for driver in drivers)]
+    for req, row in results.cells.items():
+        statuses = (row[driver].status for driver in drivers)
+        lines.append(req.ljust(first) + "".join(status.ljust(width) for status in statuses))
+    return [line.rstrip() for line in lines]
+
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #1d1d1f; }
+h1 { font-size: 1.4em; margin: 0 0 .5em; }
+dl.header { display: grid; grid-template-columns: max-content auto; gap: .2em 1em; }
+dl.header dt { font-weight: 600; }
+dl.header dd { margin: 0; }
+.simulated { color: #9a3412; font-weight: 600; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #d0d0d7; padding: .3em .6em; text-align: left; vertical-align: top; }
+thead th { background: #f3f3f6; }
+th .version, th .statement { display: block; font-weight: normal; color: #555; }
+th .statement { max-width: 40em; font-size: .85em; }
+td.cell { min-width: 7em; }
+td.cell details summary { cursor: pointer; font-weight: 600; }
+td.cell ul { margin: .3em 0 0; padding-left: 1.2em; font-size: .85em; max-width: 40em; }
+.passed { background: #dcfce7; } .partial { background: #ecfccb; }
+.failed { background: #fee2e2; } .skipped { background: #fef9c3; }
+.not-applicable { background: #f4f4f5; color: #71717a; } .not-run { background: #fff; }
+.level { font-size: .75em; color: #555; font-weight: normal; }
+.verdict-PASS { color: #166534; } .verdict-FAIL { color: #b91c1c; }
+.verdict-NOT-RUN { color: #92400e; }
+"""
+
+
+def _css(status: str) -> str:
+    return status.replace(" ", "-")
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _html_cell(cell: Cell) -> str:
+    tagged = cell.level == "optional" and cell.status != "not applicable"
+    level = ' <span class="level">optional</span>' if tagged else ""
+    items = [f"<li>{_e(cell.reason)}</li>"] if cell.reason else []
+    for test in cell.tests:
+        said = f": {test['message']}" if test["message"] else ""
+        items.append(f"<li><code>{_e(test['nodeid'])}</code> {_e(test['outcome'])}{_e(said)}</li>")
+    return (
+        f'<td class="cell {_css(cell.status)}"><details><summary>{_e(LABELS[cell.status])}'
+        f"{level}</summary><ul>{''.join(items)}</ul></details></td>"
+    )
+
+
+def to_html(results: Results) -> str:
+    header = results.header
+    gpus = _e(gpus_line(results))
+    if header.get("simulated"):
+        gpus = f'<span class="simulated">{gpus}</span>'
+    info = [
+        ("Host", _e(header.get("hostname", ""))),
+        ("GPUs", gpus),
+        ("Date", _e(header.get("generated", ""))),
+        ("Session", _e(header.get("session", ""))),
+    ]
+    verdicts = "".join(
+        f'<li class="verdict-{_css(v.status)}"><strong>{_e(v.driver)}</strong>: '
+        f"{_e(v.summary)}</li>"
+        for v in results.verdicts
+    )
+    columns = "".join(
+        f'<th scope="col">{_e(name)}<span class="version">{_e(version)}</span></th>'
+        for name, version in ((name, _version(results, name)) for name in results.drivers)
+    )
+    statements = {str(row["id"]): str(row["statement"]) for row in results.requirements}
+    rows = "".join(
+        f'<tr><th scope="row">{_e(req)}<span class="statement">{_e(statements.get(req, ""))}'
+        f"</span></th>{''.join(_html_cell(cell) for cell in row.values())}</tr>"
+        for req, row in results.cells.items()
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>GPU sandbox conformance: {_e(header.get('hostname', ''))}</title>"
+        f"<style>{STYLE}</style></head><body>\n<h1>GPU sandbox conformance</h1>\n"
+        '<dl class="header">'
+        + "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in info)
+        + f'</dl>\n<ul class="verdicts">{verdicts}</ul>\n'
+        f'<table class="matrix"><thead><tr><th scope="col">requirement</th>{columns}</tr>'
+        f"</thead>\n<tbody>{rows}</tbody></table>\n"
+        "<p>Each cell: pass, partial (the other tests were skipped), fail, skip, n/a (not "
+        "applicable) or not run; open it for its tests and their messages. Cells marked "
+        "optional do not gate a release.</p>\n</body></html>\n"
+    )
+
+
+def _version(results: Results, driver: str) -> str:
+    """A driver's version for a column header; "not running" for one that could not run.
+
+    Why it could not is in its verdict, once, not in a header's wall of exception text.
+    """
+    verdicts = {verdict.driver: verdict for verdict in results.verdicts}
+    if verdicts[driver].status == "NOT RUN":
+        return "not running"
+    return str(results.drivers[driver].get("version") or "")
+
+
+def _md(value: object) -> str:
+    """Text safe in a Markdown table cell: escaped HTML, no pipes, one line."""
+    return html.escape(" ".join(str(value).split())).replace("|", "\\|")
+
+
+def to_markdown(results: Results) -> str:
+    drivers = list(results.drivers)
+    lines = [
+        "## GPU sandbox conformance",
+        "",
+        f"**Host** {_md(results.header.get('hostname', ''))} · **GPUs** "
+        f"{_md(gpus_line(results))} · **Date** {_md(results.header.get('generated', ''))}",
+        "",
+        "| driver | version | verdict |",
+        "|---|---|---|",
+    ]
+    for verdict in results.verdicts:
+        version = _version(results, verdict.driver)
+        lines.append(f"| {_md(verdict.driver)} | {_md(version)} | {_md(verdict.summary)} |")
+    lines += ["", f"| requirement | {' | '.join(_md(d) for d in drivers)} |"]
+    lines.append("|---" * (len(drivers) + 1) + "|")
+    notes = []
+    for req, row in results.cells.items():
+        marks = []
+        for driver, cell in row.items():
+            optional = " (optional)" if cell.level == "optional" else ""
+            marks.append(f"{MARKS[cell.status]} {LABELS[cell.status]}{optional}")
+            if cell.status in ("failed", "partial", "skipped", "not run") and cell.message:
+                notes.append(
+                    f"- **{_md(req)}** on {_md(driver)}: {cell.status}: {_md(cell.message)}"
+                )
+        lines.append(f"| {_md(req)} | {' | '.join(marks)} |")
+    if notes:
+        lines += [
+            "",
+            "<details><summary>Failures and skips</summary>",
+            "",
+            *notes,
+            "",
+            "</details>",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write(
+    results: Results,
+    json_path: Path | None = None,
+    html_path: Path | None = None,
+    md_path: Path | None = None,
+) -> None:
+    """Write whichever of the JSON document, the HTML page and the Markdown is asked for."""
+    if json_path:
+        _write(json_path, json.dumps(results.to_json(), indent=2) + "\n")
+    if html_path:
+        _write(html_path, to_html(results))
+    if md_path:
+        _write(md_path, to_markdown(results))
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
