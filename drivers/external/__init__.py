@@ -1,8 +1,9 @@
 """Drivers the suite did not write: ``--driver=exec:PATH``, a manifest of argv templates.
 
 ``driver_class(path)`` reads and checks the manifest (``drivers.external.manifest``) and
-makes one ``ExternalDriver`` class for it (``drivers.external.driver``). See
-docs/external-drivers.md.
+makes one ``ExternalDriver`` class for it: command templates (``drivers.external.driver``),
+or one long-lived process speaking JSON lines (``mode: jsonl``, ``drivers.external.jsonl``).
+See docs/external-drivers.md and docs/external-protocol.md.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ def _driver_class(path: Path) -> type[ExternalDriver]:
     from drivers.external.manifest import load
 
     manifest = load(path)
+    base = ExternalDriver
+    if manifest.mode == "jsonl":
+        from drivers.external.jsonl import JsonlDriver
+
+        base = JsonlDriver
     caps = manifest.capabilities
     attrs: dict[str, object] = {"name": manifest.name, "manifest": manifest}
     if "exhaustionGraceSeconds" in caps:
         attrs["exhaustion_grace_s"] = float(caps["exhaustionGraceSeconds"])
-    cls = type(f"ExternalDriver[{manifest.name}]", (ExternalDriver,), attrs)
+    cls = type(f"ExternalDriver[{manifest.name}]", (base,), attrs)
     # What a fresh process is told to build the same driver with (conformance.hold names a
     # driver class by ``module:qualname``): exec:PATH itself.
     cls.__module__ = EXEC_PREFIX.rstrip(":")

@@ -272,7 +272,7 @@ class ExternalDriver(Driver):
     def create_argv(self, sandbox_id: str, request: CreateRequest) -> list[str]:
         return render_create(self.manifest, request, self.values(sandbox_id=sandbox_id))
 
-    def start(self, launch: Launch) -> ExternalSandbox:
+    def start(self, launch: Launch) -> Sandbox:
         sid = launch.sandbox_id
         argv = self.create_argv(sid, self.create_request(launch))
         what = f"create of sandbox {sid}"
@@ -333,19 +333,26 @@ class ExternalDriver(Driver):
         # Again until list shows none: a CLI may remove only some at a time (podman 4.3's
         # `rm --filter` does), or they may take a while to go.
         while left and time.monotonic() < deadline:
-            done = self.operation("reap", "reap", session_id=session_id)
-            checked(done, f"{self.name} reap of {session_id}")
+            self.reap_once(session_id)
             left = self.sandboxes(session_id)
             if left:
                 time.sleep(REAP_POLL_S)
         if left:
-            raise ExternalDriverError(f"{self.name} reap of {session_id} left {left}")
+            raise ExternalDriverError(
+                f"{self.name} reap of session {session_id} left sandboxes {left}: list still "
+                f"shows them after {self.manifest.timeouts['reap']:g} s"
+            )
         released = (
             self.host.leases.release_session(session_id, driver=self.name)
             if self.manifest.host_registry
             else []
         )
         return sorted(set(found) | {lease.sandbox_id for lease in released})
+
+    def reap_once(self, session_id: str) -> None:
+        """Ask the driver once to remove everything of ``session_id``."""
+        done = self.operation("reap", "reap", session_id=session_id)
+        checked(done, f"{self.name} reap of {session_id}")
 
     def version(self) -> str:
         if "version" not in self.manifest.templates:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drivers.external.schema import FRAGMENTS, SCHEMA
+from drivers.external.schema import FRAGMENTS, SCHEMA, TEMPLATES_ONLY
 from gpuhost.errors import shown
 
 VARIABLE = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_.]*)\}(?!\})")
@@ -53,8 +53,10 @@ FRAGMENT_VARIABLES: Mapping[str, tuple[str, ...]] = {
 }
 DEFAULT_TIMEOUTS: Mapping[str, float] = {
     "create": 120.0, "ready": 60.0, "pid": 30.0, "close": 60.0, "kill": 30.0, "list": 30.0,
-    "reap": 120.0, "version": 10.0,
+    "reap": 120.0, "version": 10.0, "hello": 30.0, "shutdown": 10.0,
 }  # fmt: skip
+COMMAND_VARIABLES = ("python", "driver")
+"""The variables a jsonl manifest's ``command`` may name."""
 RESERVED_CONFIG_KEYS = ("gpu_device_ids", "mig_profile", "vendor")
 
 
@@ -90,6 +92,9 @@ class Manifest:
     driver_config: Mapping[str, ConfigKey] = field(default_factory=dict)
     default_image: str | None = None
     description: str = ""
+    mode: str = "templates"
+    command: tuple[str, ...] = ()
+    """Mode jsonl: the driver process's argv."""
 
     @property
     def host_registry(self) -> bool:
@@ -121,7 +126,7 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         allocation=data["allocation"],
         sandbox_id=data.get("sandboxId", "stdout"),
         capabilities=data["capabilities"],
-        templates={op: tuple(argv) for op, argv in data["templates"].items()},
+        templates={op: tuple(argv) for op, argv in data.get("templates", {}).items()},
         fragments={name: tuple(args) for name, args in data.get("fragments", {}).items()},
         timeouts={**DEFAULT_TIMEOUTS, **data.get("timeouts", {})},
         driver_error_codes=frozenset(data.get("exec", {}).get("driverErrorCodes", ())),
@@ -131,6 +136,8 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         },
         default_image=data.get("defaultImage"),
         description=data.get("description", ""),
+        mode=data["mode"],
+        command=tuple(data.get("command", ())),
     )
     check_coherent(manifest, path)
     return manifest
@@ -140,6 +147,14 @@ def check_schema(data: Any, path: Path | str) -> None:
     """Every schema violation, the first one's key and value in the error's attributes."""
     import jsonschema  # imported once a manifest is read: not at every start of the suite
 
+    if isinstance(data, Mapping):
+        mode = data.get("mode")
+        for key in TEMPLATES_ONLY if mode == "jsonl" else ("command",):
+            if key in data:
+                other = "templates" if mode == "jsonl" else "jsonl"
+                raise ManifestError(
+                    path, key, data[key], f"a key of mode {other}, not of mode {mode}"
+                )
     validator = jsonschema.Draft202012Validator(SCHEMA)
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     if not errors:
@@ -201,6 +216,8 @@ def check_coherent(manifest: Manifest, path: Path | str) -> None:
             )
         for i, arg in enumerate(item.fragment):
             _check_variables(path, f"driverConfig.{name}.fragment[{i}]", arg, (*COMMON, "value"))
+    for i, arg in enumerate(manifest.command):
+        _check_variables(path, f"command[{i}]", arg, COMMAND_VARIABLES)
     caps = manifest.capabilities
     if caps["exactIds"] and not caps.get("idForms"):
         raise ManifestError(

@@ -25,6 +25,9 @@ FRAGMENTS: Final = (
     "vendor",
 )  # fmt: skip
 TIMED: Final = ("create", "ready", "pid", "close", "kill", "list", "reap", "version")
+JSONL_TIMED: Final = ("hello", "create", "close", "kill", "list", "reap", "shutdown")
+"""The operations a ``jsonl`` driver answers under a timeout of the manifest's (exec's is
+the caller's)."""
 
 _ARGV: dict[str, Any] = {
     "type": "array",
@@ -39,6 +42,14 @@ _FRAGMENT: dict[str, Any] = {
     "description": "Arguments emitted only when the request sets the field.",
 }
 _SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 3600}
+TEMPLATES_ONLY: Final = (
+    "templates",
+    "fragments",
+    "sandboxId",
+    "driverConfig",
+    "exec",
+    "defaultImage",
+)
 
 SCHEMA: Final[dict[str, Any]] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -46,15 +57,20 @@ SCHEMA: Final[dict[str, Any]] = {
     "title": "An external GPU sandbox driver, judged through command templates",
     "type": "object",
     "additionalProperties": False,
-    "required": [
-        "apiVersion",
-        "kind",
-        "name",
-        "mode",
-        "allocation",
-        "capabilities",
-        "templates",
-    ],
+    "required": ["apiVersion", "kind", "name", "mode", "allocation", "capabilities"],
+    "if": {"properties": {"mode": {"const": "jsonl"}}, "required": ["mode"]},
+    "then": {
+        "required": ["command"],
+        "properties": {
+            "allocation": {
+                "const": "driver",
+                "description": "A jsonl driver plans, validates and leases its GPUs itself.",
+            },
+            "timeouts": {"propertyNames": {"enum": list(JSONL_TIMED)}},
+            **{key: False for key in TEMPLATES_ONLY},
+        },
+    },
+    "else": {"required": ["templates"], "properties": {"command": False}},
     "properties": {
         "apiVersion": {"const": API_VERSION},
         "kind": {"const": KIND},
@@ -64,7 +80,20 @@ SCHEMA: Final[dict[str, Any]] = {
             "description": "The driver's name: its block in template.driver_config, its leases.",
         },
         "description": {"type": "string"},
-        "mode": {"enum": ["templates"]},
+        "mode": {
+            "enum": ["templates", "jsonl"],
+            "description": (
+                "templates: each operation runs an argv template; jsonl: one long-lived "
+                "process speaks JSON lines on its stdin and stdout (external-protocol.md)."
+            ),
+        },
+        "command": {
+            **_ARGV,
+            "description": (
+                "mode jsonl: the driver process's argv, run in the manifest's directory; "
+                "{python} is the suite's own interpreter, {driver} the name."
+            ),
+        },
         "allocation": {
             "enum": ["host-registry", "driver"],
             "description": (
@@ -123,7 +152,7 @@ SCHEMA: Final[dict[str, Any]] = {
         "timeouts": {
             "type": "object",
             "additionalProperties": False,
-            "properties": {name: _SECONDS for name in TIMED},
+            "properties": {name: _SECONDS for name in dict.fromkeys((*TIMED, *JSONL_TIMED))},
         },
         "templates": {
             "type": "object",
