@@ -10,10 +10,16 @@ or to no driver. ``VfioBinder.claim`` binds them, the kernel's way:
    names vfio-pci;
 
 It takes a function from the driver it has only where it was asked to (``rebind``; by
-default only groups already bound to vfio-pci, or to no driver, are claimed), and never an
-NVIDIA GPU whose device node a process holds open: a GPU serving the nvidia driver may be
-in use by a persistence daemon, another job or a display, and its unbind can block in the
-kernel. Both refusals are ``VfioRefused``, raised before anything is written.
+default only groups already bound to vfio-pci, or to no driver, are claimed), takes a GPU
+only from the nvidia driver, and never an NVIDIA GPU whose device node a process holds
+open: a GPU serving the nvidia driver may be in use by a persistence daemon, another job or
+a display, and its unbind can block in the kernel. Every refusal is ``VfioRefused``, raised
+before anything is written.
+
+``bus_gpus`` finds the NVIDIA GPUs on the PCI bus, whichever driver they are bound to, with
+their IOMMU groups: NVML and nvidia-smi do not list a GPU bound to vfio-pci. Such a GPU has
+no UUID the host can tell (the UUID is read from the GPU by the NVIDIA driver), except one
+this binder took from the nvidia driver: its record keeps the UUID the driver gave it.
 
 ``release`` undoes it: ``driver_override`` cleared, unbound from vfio-pci, bound to the
 driver it had. What a claim changed is written to the state directory *before* it changes
@@ -36,10 +42,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuhost.discovery import parse_proc_driver_information
 from gpuhost.leases import Holder, liveness_check
+from gpuhost.pci import from_sysfs, gpu_pci_devices, iommu_groups
 from gpuhost.wait import wait_for
 
 VFIO_DRIVER = "vfio-pci"
+NVIDIA_DRIVER = "nvidia"
 REBIND_ENV = "GPU_SANDBOX_VM_REBIND"
 """Set to 1 to let the vm driver take GPUs from the nvidia driver (those no process uses)."""
 BIND_TIMEOUT_S = 10.0
@@ -53,6 +62,41 @@ class VfioError(RuntimeError):
 
 class VfioRefused(VfioError):
     """A group the binder will not take from its driver: not asked to, or a GPU in use."""
+
+
+@dataclass(frozen=True)
+class BusGpu:
+    """An NVIDIA GPU on the PCI bus, as passthrough sees it: its IOMMU group and drivers."""
+
+    bus: str
+    """Its PCI address, ``0000:2a:00.0``: the ID that names it whichever driver has it."""
+    group: str
+    """Its IOMMU group; empty when it is in none (the IOMMU is off)."""
+    functions: dict[str, str | None]
+    """Every function of its group (itself included) → the driver bound to it (None: none)."""
+    uuid: str | None = None
+    """The UUID the nvidia driver gave it, where this binder recorded it when taking it."""
+
+    @property
+    def driver(self) -> str | None:
+        return self.functions.get(self.bus)
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether a VM can be given it as it is: its whole group bound to vfio-pci or none."""
+        return bool(self.group) and all(d in (None, VFIO_DRIVER) for d in self.functions.values())
+
+    def describe(self) -> str:
+        """``0000:2a:00.0 bound to nvidia``, and what else of its group keeps it from a VM."""
+        text = f"{self.bus} bound to {self.driver or 'no driver'}"
+        if not self.group:
+            return f"{text}, in no IOMMU group"
+        others = [
+            f"{fn} bound to {driver}"
+            for fn, driver in self.functions.items()
+            if fn != self.bus and driver not in (None, VFIO_DRIVER)
+        ]
+        return f"{text} (IOMMU group {self.group} also: {', '.join(others)})" if others else text
 
 
 @dataclass(frozen=True)
@@ -111,6 +155,22 @@ class VfioBinder:
             p.name for p in (self.sysfs / "kernel" / "iommu_groups" / group / "devices").iterdir()
         )
 
+    def bus_gpus(self) -> list[BusGpu]:
+        """The NVIDIA GPUs on the PCI bus in address order, whichever driver has them."""
+        devices = from_sysfs(self.sysfs / "bus" / "pci" / "devices")
+        groups = iommu_groups(devices)
+        uuids = self.recorded_uuids()
+        return [
+            BusGpu(
+                gpu.slot,
+                gpu.iommu_group,
+                {fn.slot: fn.driver or None for fn in groups.get(gpu.iommu_group, (gpu,))},
+                uuids.get(gpu.slot),
+            )
+            for gpu in gpu_pci_devices(devices)
+            if gpu.vendor == "nvidia"
+        ]
+
     def driver_of(self, bdf: str) -> str | None:
         # Read the link once: a driver being unbound or bound removes it at any moment.
         try:
@@ -133,7 +193,7 @@ class VfioBinder:
                     f"IOMMU group {group} of {bdf} is bound for sandbox {previous['sandbox']} "
                     f"(record {record})"
                 )
-            self._write(record, sandbox_id, holder, functions)
+            self._write(record, sandbox_id, holder, functions, self._uuids(functions))
             try:
                 for fn in functions:
                     self._bind(fn, VFIO_DRIVER)
@@ -148,6 +208,11 @@ class VfioBinder:
         bound = {
             fn: driver for fn, driver in functions.items() if driver not in (None, VFIO_DRIVER)
         }
+        if bound.get(bdf, NVIDIA_DRIVER) != NVIDIA_DRIVER:
+            raise VfioRefused(
+                f"{bdf} (IOMMU group {group}) is bound to {bound[bdf]}; a GPU is taken only "
+                f"from the {NVIDIA_DRIVER} driver, or bound to {VFIO_DRIVER} beforehand"
+            )
         if bound and not self.rebind:
             drivers = ", ".join(f"{fn} to {driver}" for fn, driver in bound.items())
             raise VfioRefused(
@@ -156,7 +221,7 @@ class VfioBinder:
                 f"(--vm-rebind-gpus, or {REBIND_ENV}=1)"
             )
         for fn, driver in bound.items():
-            if driver == "nvidia":
+            if driver == NVIDIA_DRIVER:
                 node, users = self.users_of_nvidia_gpu(fn)
                 if users:
                     raise VfioRefused(
@@ -169,7 +234,7 @@ class VfioBinder:
 
         Each as ``pid <pid> (<command>)``. A GPU whose node cannot be told is refused.
         """
-        information = self.proc / "driver" / "nvidia" / "gpus" / bdf / "information"
+        information = self._nvidia_information(bdf)
         try:
             lines = information.read_text().splitlines()
             minor = next(line.split(":")[1].strip() for line in lines if "Device Minor" in line)
@@ -187,10 +252,34 @@ class VfioBinder:
                     users.append(f"pid {fd_dir.parent.name} ({command})")
         return node, sorted(users)
 
+    def _uuids(self, functions: dict[str, str | None]) -> dict[str, str]:
+        """The UUIDs the nvidia driver gives the functions it has, to keep while they are VFIO's."""
+        uuids = {}
+        for fn, driver in functions.items():
+            if driver == NVIDIA_DRIVER:
+                with contextlib.suppress(OSError):
+                    text = self._nvidia_information(fn).read_text()
+                    if uuid := parse_proc_driver_information(text).get("GPU UUID"):
+                        uuids[fn] = uuid
+        return uuids
+
+    def _nvidia_information(self, bdf: str) -> Path:
+        return self.proc / "driver" / "nvidia" / "gpus" / bdf / "information"
+
+    def recorded_uuids(self) -> dict[str, str]:
+        """PCI address → UUID, of the GPUs that claims took from the nvidia driver."""
+        uuids: dict[str, str] = {}
+        for record in sorted(self.records.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                uuids.update(json.loads(record.read_text()).get("uuids", {}))
+        return uuids
+
     def set_holder(self, claim: VfioClaim, sandbox_id: str, holder: Holder) -> None:
         """Record the process that now holds the group (the VM, once it runs)."""
         with self._locked():
-            self._write(self._record(claim.group), sandbox_id, holder, claim.functions)
+            record = self._record(claim.group)
+            uuids = json.loads(record.read_text()).get("uuids", {})
+            self._write(record, sandbox_id, holder, claim.functions, uuids)
 
     def release(self, group: str) -> None:
         """Give every function of ``group`` back to the driver it had; forget the record."""
@@ -267,12 +356,18 @@ class VfioBinder:
         return self.records / f"{group}.json"
 
     def _write(
-        self, record: Path, sandbox_id: str, holder: Holder, functions: dict[str, str | None]
+        self,
+        record: Path,
+        sandbox_id: str,
+        holder: Holder,
+        functions: dict[str, str | None],
+        uuids: dict[str, str],
     ) -> None:
         data = {
             "sandbox": sandbox_id,
             "holder": {"kind": holder.kind, "ref": holder.ref},
             "functions": functions,
+            "uuids": uuids,
         }
         partial = record.with_suffix(".tmp")
         partial.write_text(json.dumps(data))

@@ -1,14 +1,18 @@
 """VFIO binding (gpuhost/vfio.py) on sysfs trees the tests construct, with a kernel stand-in.
 
 No machine here has an IOMMU or a GPU, so the tree is made by the test: PCI functions with
-their ``driver`` links and ``driver_override``, drivers whose ``bind`` and ``unbind`` are
-FIFOs, IOMMU groups holding a GPU and its audio function. A thread plays the kernel's part:
+their ids, ``driver`` links and ``driver_override``, drivers whose ``bind`` and ``unbind``
+are FIFOs, IOMMU groups holding a GPU and its audio function. A thread plays the kernel's part:
 it reads what is written to ``bind`` and ``unbind`` and moves the ``driver`` links as the
 kernel would, refusing a bind that ``driver_override`` forbids. The binder under test only
 reads and writes files, as it does on a real /sys.
 
 ``BindingNotRestored`` (tests/broken_vms.py), the planted binder that gives nothing back,
 fails the checks of restoring after close and after a crash.
+
+The vm lane runs on such trees too, as on a real host (``VfioPassthrough``): its probe and
+inventory, and a create whose QEMU is a stand-in process (``spawn_qemu``), with the binder
+writing to the tree.
 """
 
 from __future__ import annotations
@@ -22,32 +26,52 @@ from pathlib import Path
 
 import pytest
 
+from drivers.vm import VmDriver
+from drivers.vm.agent import GuestAgent
+from drivers.vm.image import GuestImage
 from drivers.vm.passthrough import VfioPassthrough
 from gpuhost import vfio
 from gpuhost.devices import GpuDevice
-from gpuhost.leases import Holder
-from gpuhost.vfio import VFIO_DRIVER, VfioBinder, VfioError, VfioRefused
+from gpuhost.errors import GpuAllocationError, SandboxStartError, UnknownGpuDevice
+from gpuhost.host import GpuHost, HostConfig
+from gpuhost.leases import Holder, LeaseRegistry
+from gpuhost.spec import SandboxSpec
+from gpuhost.vfio import VFIO_DRIVER, BusGpu, VfioBinder, VfioError, VfioRefused
 from tests.broken_vms import BindingNotRestored
 
 GPU, AUDIO, OTHER_GPU, LONE = "0000:2a:00.0", "0000:2a:00.1", "0000:5d:00.0", "0000:9a:00.0"
 ORIGINAL = {GPU: "nvidia", AUDIO: "snd_hda_intel", OTHER_GPU: "nvidia", LONE: None}
+PREPARED = {**ORIGINAL, OTHER_GPU: VFIO_DRIVER}
+"""A host whose admin bound one GPU to vfio-pci for passthrough (driverctl set-override)."""
 GROUPS = {GPU: "17", AUDIO: "17", OTHER_GPU: "42", LONE: "51"}
-DRIVERS = ("nvidia", "snd_hda_intel", VFIO_DRIVER)
+IDS = {  # class, vendor, device: two H100s (3D controllers), an audio function, a NIC
+    GPU: ("0x030200", "0x10de", "0x2330"),
+    AUDIO: ("0x040300", "0x10de", "0x22a3"),
+    OTHER_GPU: ("0x030200", "0x10de", "0x2330"),
+    LONE: ("0x020000", "0x8086", "0x1572"),
+}
+DRIVERS = ("nvidia", "snd_hda_intel", "nouveau", VFIO_DRIVER)
 
 
 class ConstructedSysfs:
     """A sysfs tree of PCI functions in IOMMU groups, and a thread acting as its kernel."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, original: dict[str, str | None] = ORIGINAL) -> None:
         self.root = root
+        self.original = original
         self.refused: list[str] = []
+        self.asked: list[str] = []
+        """Every ``bind`` and ``unbind`` written, as ``<action> <function> <driver>``."""
         self.hang_binds = False
         devices = root / "bus" / "pci" / "devices"
         for bdf, group in GROUPS.items():
             device = devices / bdf
             device.mkdir(parents=True)
-            (device / "vendor").write_text("0x10de\n")
-            (device / "driver_override").write_text("(null)\n")
+            for name, value in zip(("class", "vendor", "device"), IDS[bdf], strict=True):
+                (device / name).write_text(f"{value}\n")
+            # driverctl set-override leaves driver_override set, as the binder's claims do.
+            override = VFIO_DRIVER if original.get(bdf) == VFIO_DRIVER else "(null)"
+            (device / "driver_override").write_text(f"{override}\n")
             members = root / "kernel" / "iommu_groups" / group / "devices"
             members.mkdir(parents=True, exist_ok=True)
             (members / bdf).symlink_to(f"../../../../bus/pci/devices/{bdf}")
@@ -60,9 +84,9 @@ class ConstructedSysfs:
                 os.mkfifo(directory / action)
                 fd = os.open(directory / action, os.O_RDWR | os.O_NONBLOCK)
                 self._selector.register(fd, selectors.EVENT_READ, (driver, action))
-        for bdf, original in ORIGINAL.items():
-            if original:
-                self._link(bdf, original)
+        for bdf, bound in original.items():
+            if bound:
+                self._link(bdf, bound)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._kernel, daemon=True)
         self._thread.start()
@@ -85,6 +109,7 @@ class ConstructedSysfs:
                 driver, action = key.data
                 data = os.read(key.fd, 4096).decode()
                 for bdf in data.split():
+                    self.asked.append(f"{action} {bdf} {driver}")
                     self._apply(driver, action, bdf)
 
     def _apply(self, driver: str, action: str, bdf: str) -> None:
@@ -112,8 +137,9 @@ class ConstructedSysfs:
 
 
 @pytest.fixture
-def sysfs(tmp_path: Path) -> Iterator[ConstructedSysfs]:
-    tree = ConstructedSysfs(tmp_path / "sys")
+def sysfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ConstructedSysfs]:
+    """The tree; ``@pytest.mark.parametrize("sysfs", [PREPARED], indirect=True)`` binds it so."""
+    tree = ConstructedSysfs(tmp_path / "sys", getattr(request, "param", ORIGINAL))
     yield tree
     tree.close()
     assert tree.refused == [], f"the binder asked the kernel for what it refuses: {tree.refused}"
@@ -130,9 +156,15 @@ def _binder(
     for bdf, minor in MINORS.items():
         gpu = proc / "driver" / "nvidia" / "gpus" / bdf
         gpu.mkdir(parents=True, exist_ok=True)
-        (gpu / "information").write_text(f"Model: NVIDIA H100\nDevice Minor: {minor}\n")
+        (gpu / "information").write_text(
+            f"Model: NVIDIA H100\nGPU UUID: {_uuid(minor)}\nDevice Minor: {minor}\n"
+        )
     dev = tmp_path / "dev"
     return cls(tmp_path / "state", sysfs=sysfs.root, dev=dev, rebind=rebind, proc=proc)
+
+
+def _uuid(index: int) -> str:
+    return f"GPU-{index:08d}-0000-0000-0000-000000000000"
 
 
 def _untouched(tmp_path: Path, sysfs: ConstructedSysfs) -> None:
@@ -152,9 +184,10 @@ def _dead_holder() -> Holder:
 
 def _check_restored(sysfs: ConstructedSysfs) -> None:
     __tracebackhide__ = True
-    for bdf, driver in ORIGINAL.items():
+    for bdf, driver in sysfs.original.items():
         assert sysfs.driver(bdf) == driver, f"{bdf} is bound to {sysfs.driver(bdf)}, not {driver}"
-        assert sysfs.override(bdf) in ("", "(null)"), f"{bdf} keeps driver_override"
+        kept = (VFIO_DRIVER,) if driver == VFIO_DRIVER else ()
+        assert sysfs.override(bdf) in ("", "(null)", *kept), f"{bdf} keeps driver_override"
 
 
 def check_claim_then_release_restores(
@@ -302,27 +335,166 @@ def test_asked_a_gpu_whose_node_cannot_be_told_is_refused(
     _untouched(tmp_path, sysfs)
 
 
-def _gpu(index: int, bdf: str) -> GpuDevice:
-    return GpuDevice(index, f"GPU-{index:08d}-0000-0000-0000-000000000000", "H100", bdf)
+def _nvml(*buses: str) -> tuple[GpuDevice, ...]:
+    """What NVML lists of the tree: the GPUs bound to nvidia (never one bound to vfio-pci)."""
+    return tuple(
+        GpuDevice(index, _uuid(MINORS[bdf]), "NVIDIA H100 80GB HBM3", bdf, minor=MINORS[bdf])
+        for index, bdf in enumerate(buses)
+    )
 
 
-def test_unasked_the_vm_lane_offers_only_gpus_bound_to_vfio_pci(
+def _never_reached(sysfs: ConstructedSysfs, *buses: str) -> None:
+    """No ``bind``, ``unbind`` or ``driver_override`` write reached any of ``buses``."""
+    __tracebackhide__ = True
+    asked = [line for line in sysfs.asked if line.split()[1] in buses]
+    assert asked == [], f"the kernel was asked to move functions it was not given: {asked}"
+    for bdf in buses:
+        assert sysfs.override(bdf) == "(null)", f"{bdf}'s driver_override was written"
+        assert sysfs.driver(bdf) == sysfs.original[bdf], f"{bdf} was moved"
+
+
+class ConstructedVmDriver(VmDriver):
+    """The vm driver on a constructed real host: its guest image is two empty files."""
+
+    def guest_image(self) -> GuestImage:
+        return GuestImage(Path(os.devnull), Path(os.devnull), "constructed")
+
+
+def _vm_driver(
+    tmp_path: Path, sysfs: ConstructedSysfs, listed: tuple[GpuDevice, ...], rebind: bool
+) -> VmDriver:
+    """The vm driver on the tree as a real host: NVML ``listed``, /dev/vfio/vfio present."""
+    state = tmp_path / "state"
+    host = GpuHost(HostConfig(state_dir=state), listed, (), LeaseRegistry(state / "leases"))
+    driver = ConstructedVmDriver(host, "constructed")
+    driver.passthrough = VfioPassthrough(_binder(VfioBinder, tmp_path, sysfs, rebind))
+    (tmp_path / "dev" / "vfio").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "dev" / "vfio" / "vfio").touch()
+    return driver
+
+
+@pytest.fixture
+def qemu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
+    """QEMU stood in for at its spawn: a process that sleeps; each argv is kept."""
+    argvs: list[list[str]] = []
+
+    def spawn_qemu(argv: list[str], directory: Path, fds: object) -> subprocess.Popen[bytes]:
+        argvs.append(argv)
+        return subprocess.Popen(["sleep", "60"])
+
+    monkeypatch.setattr("drivers.vm.driver.spawn_qemu", spawn_qemu)
+    monkeypatch.setattr(GuestAgent, "wait_ready", lambda *args: None)
+    monkeypatch.setenv("GPU_SANDBOX_VM_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("GPU_SANDBOX_VM_BOOT", raising=False)
+    return argvs
+
+
+def test_the_bus_shows_every_nvidia_gpu_whichever_driver_has_it(
     tmp_path: Path, sysfs: ConstructedSysfs
 ) -> None:
-    """On a real host, GPUs serving the nvidia driver are not the vm lane's to take."""
-    gpus = (_gpu(0, GPU), _gpu(1, OTHER_GPU))
-    unasked = VfioPassthrough(_binder(VfioBinder, tmp_path, sysfs, rebind=False))
-    assert unasked.offered(gpus) == ()
-    assert unasked.why_none(gpus) == (
-        f"needed GPUs bound to vfio-pci (found: {GPU} bound to nvidia, {OTHER_GPU} bound to "
-        "nvidia); to let VMs take GPUs from the nvidia driver, those no process holds open: "
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    assert binder.bus_gpus() == [
+        BusGpu(GPU, "17", {GPU: "nvidia", AUDIO: "snd_hda_intel"}),
+        BusGpu(OTHER_GPU, "42", {OTHER_GPU: "nvidia"}),
+    ]
+    # One taken from nvidia keeps the UUID nvidia gave it, which NVML no longer lists.
+    claim = binder.claim(OTHER_GPU, "sandbox-a", Holder.process(os.getpid()))
+    taken = BusGpu(OTHER_GPU, "42", {OTHER_GPU: VFIO_DRIVER}, _uuid(1))
+    assert binder.bus_gpus()[1] == taken
+    assert taken.passes_through
+    (named,) = VfioPassthrough(binder).gpus(_nvml(GPU))[1:]
+    assert (named.uuid, named.index, named.pci_bus_id) == (_uuid(1), 1, OTHER_GPU)
+    binder.release(claim.group)
+    _check_restored(sysfs)
+
+
+def test_unasked_the_vm_lane_on_gpus_bound_to_nvidia_is_skipped_and_writes_nothing(
+    tmp_path: Path, sysfs: ConstructedSysfs, qemu: list[list[str]]
+) -> None:
+    """Without the opt-in no write reaches a GPU bound to nvidia, whatever is asked."""
+    driver = _vm_driver(tmp_path, sysfs, _nvml(GPU, OTHER_GPU), rebind=False)
+    availability = driver.probe()
+    assert not availability.ok
+    assert availability.reason == (
+        f"needed NVIDIA GPUs bound to vfio-pci (found: {GPU} bound to nvidia (IOMMU group 17 "
+        f"also: {AUDIO} bound to snd_hda_intel), {OTHER_GPU} bound to nvidia); bind each "
+        "GPU's IOMMU group to vfio-pci beforehand (driverctl set-override <BDF> vfio-pci), "
+        "or let VMs take GPUs from the nvidia driver, those no process holds open: "
         "--vm-rebind-gpus, or GPU_SANDBOX_VM_REBIND=1"
     )
-    # One prepared for passthrough, as a VFIO host is: that one is offered, and only it.
-    prepared = _binder(VfioBinder, tmp_path, sysfs)
-    prepared.claim(OTHER_GPU, "prepared-by-the-admin", Holder.process(os.getpid()))
-    assert unasked.offered(gpus) == (gpus[1],)
-    asked = VfioPassthrough(_binder(VfioBinder, tmp_path, sysfs, rebind=True))
-    assert asked.offered(gpus) == gpus
-    prepared.release("42")
-    _check_restored(sysfs)
+    assert driver.inventory() == ()
+    for device_ids in ([GPU], ["1"], None):
+        spec = (
+            SandboxSpec.with_gpus(driver="vm", device_ids=device_ids)
+            if device_ids
+            else SandboxSpec.with_gpus()
+        )
+        with pytest.raises((GpuAllocationError, UnknownGpuDevice), match=r"GPUs|needed NVIDIA"):
+            driver.create(spec)
+    with pytest.raises(VfioRefused):
+        driver.passthrough.claim(driver.host.gpus[0], "sandbox-a")
+    assert qemu == [], "a VM was started"
+    _never_reached(sysfs, GPU, AUDIO, OTHER_GPU)
+    assert driver.host.leases.leases() == []
+    # Asked, the lane runs on them.
+    asked = _vm_driver(tmp_path, sysfs, _nvml(GPU, OTHER_GPU), rebind=True)
+    assert asked.probe().ok
+    assert [gpu.pci_bus_id for gpu in asked.inventory()] == [GPU, OTHER_GPU]
+
+
+@pytest.mark.parametrize("sysfs", [PREPARED], indirect=True)
+def test_the_vm_lane_runs_on_the_one_gpu_bound_to_vfio_pci(
+    tmp_path: Path, sysfs: ConstructedSysfs, qemu: list[list[str]]
+) -> None:
+    """NVML lists only the GPU of nvidia; the lane finds the other on the bus and uses it."""
+    driver = _vm_driver(tmp_path, sysfs, _nvml(GPU), rebind=False)
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    assert driver.probe().ok, driver.probe().reason
+    (gpu,) = driver.inventory()
+    assert (gpu.index, gpu.uuid, gpu.pci_bus_id) == (1, f"PCI-{OTHER_GPU}", OTHER_GPU)
+    assert driver.device_ids(gpu) == (OTHER_GPU, "1")
+    with pytest.raises(UnknownGpuDevice, match="is not one VMs are given here: needed NVIDIA"):
+        driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=["0"]))
+    with driver.create(SandboxSpec.with_gpus()) as sandbox:
+        assert sandbox.gpus == (gpu,)
+        ((argv),) = qemu
+        assert f"vfio-pci,id=gpu0,host={OTHER_GPU},bus=port0,addr=0x0" in argv
+        assert binder.claims() == {"42": sandbox.id}
+        assert [lease.gpu_uuid for lease in driver.host.leases.leases()] == [gpu.uuid]
+    assert driver.host.leases.leases() == []
+    _check_restored(sysfs)  # the GPU stays bound to vfio-pci, as the admin left it
+    _never_reached(sysfs, GPU, AUDIO)
+
+
+def test_asked_the_vm_lane_refuses_a_gpu_a_process_holds(
+    tmp_path: Path, sysfs: ConstructedSysfs, qemu: list[list[str]]
+) -> None:
+    driver = _vm_driver(tmp_path, sysfs, _nvml(GPU, OTHER_GPU), rebind=True)
+    user = tmp_path / "proc" / "4242"
+    (user / "fd").mkdir(parents=True)
+    (user / "comm").write_text("python3\n")
+    (user / "fd" / "7").symlink_to(tmp_path / "dev" / "nvidia0")
+    with pytest.raises(SandboxStartError) as refused:
+        driver.create(SandboxSpec.with_gpus(driver="vm", device_ids=[GPU]))
+    assert isinstance(refused.value.__cause__, VfioRefused)
+    assert str(refused.value.__cause__) == (
+        f"{GPU} (IOMMU group 17) is in use: {tmp_path}/dev/nvidia0 is open in pid 4242 "
+        "(python3); it is left bound to nvidia"
+    )
+    assert qemu == []
+    assert driver.host.leases.leases() == []
+    _never_reached(sysfs, GPU, AUDIO)
+    _untouched(tmp_path, sysfs)
+
+
+def test_asked_a_gpu_of_another_driver_than_nvidia_is_refused(
+    tmp_path: Path, sysfs: ConstructedSysfs
+) -> None:
+    (sysfs.root / "bus" / "pci" / "devices" / GPU / "driver").unlink()
+    sysfs._link(GPU, "nouveau")
+    sysfs.original = {**ORIGINAL, GPU: "nouveau"}
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    with pytest.raises(VfioRefused, match=f"{GPU} .* is bound to nouveau; a GPU is taken only"):
+        binder.claim(GPU, "sandbox-a", Holder.process(os.getpid()))
+    _never_reached(sysfs, GPU, AUDIO)
+    _untouched(tmp_path, sysfs)

@@ -57,7 +57,7 @@ from gpuhost.host import GpuHost
 from gpuhost.simulated.pci_proxy import GpuFunctionBusy
 from gpuhost.spawn import stop_process
 from gpuhost.spec import DEVICE_IDS_KEY, DriverCapabilities, DriverRequest, GpuPlan
-from gpuhost.vfio import VfioError
+from gpuhost.vfio import VfioError, VfioRefused
 
 RUN_DIR_ENV = "GPU_SANDBOX_VM_RUN_DIR"
 DEFAULT_RUN_DIR = Path("/run/gpu-sandbox-vm")
@@ -97,7 +97,11 @@ class VmDriver(Driver):
         return self.passthrough.offered(self._whole_gpus())
 
     def _whole_gpus(self) -> tuple[GpuDevice, ...]:
-        return tuple(gpu for gpu in self.host.gpus if not gpu.mig_enabled)
+        return tuple(gpu for gpu in self._host_gpus() if not gpu.mig_enabled)
+
+    def _host_gpus(self) -> tuple[GpuDevice, ...]:
+        """The host's NVIDIA GPUs as VMs see them: on a real host, those of the PCI bus."""
+        return self.passthrough.gpus(self.host.gpus)
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         return (gpu.pci_bus_id, str(gpu.index))
@@ -142,18 +146,24 @@ class VmDriver(Driver):
             found = [gpu for gpu in inventory if gpu.pci_bus_id == bus]
             if not found:
                 buses = ", ".join(gpu.pci_bus_id for gpu in inventory) or "none"
+                held_back = [g for g in self._whole_gpus() if g.pci_bus_id == bus]
+                why = f": {self.passthrough.why_none(tuple(held_back))}" if held_back else ""
                 raise UnknownGpuDevice(
                     plan.field,
                     device_id,
                     f"{plan.field} names {shown(device_id)}, but no GPU that passes through is "
-                    f"at PCI address {bus} (this host's: {buses})",
+                    f"at PCI address {bus} (this host's: {buses}){why}",
                 )
             chosen.append(found[0])
         return tuple(chosen)
 
     def _by_index(self, field: str, device_id: str, inventory: tuple[GpuDevice, ...]) -> GpuDevice:
-        """The host's index, as nvidia-smi numbers GPUs: GPUs in MIG mode count too."""
-        gpus = self.host.gpus
+        """The host's index, as nvidia-smi numbers GPUs: GPUs in MIG mode count too.
+
+        On a real host, the index among the NVIDIA GPUs of the PCI bus (nvidia-smi's where
+        every GPU is bound to the nvidia driver): a GPU bound to vfio-pci has one too.
+        """
+        gpus = self._host_gpus()
         if len(device_id) > len(str(len(gpus))) or int(device_id) >= len(gpus):
             raise UnknownGpuDevice(
                 field,
@@ -161,14 +171,20 @@ class VmDriver(Driver):
                 f"GPU index {shown(device_id)} out of range (have {len(gpus)} GPUs) in {field}",
             )
         gpu = gpus[int(device_id)]
-        if gpu not in inventory:
-            raise UnknownGpuDevice(
-                field,
-                device_id,
-                f"GPU index {shown(device_id)} ({gpu.pci_bus_id}) in {field} is in MIG mode; a "
-                f"VM takes a whole GPU (this host's: {', '.join(g.pci_bus_id for g in inventory)})",
-            )
-        return gpu
+        if gpu in inventory:
+            return gpu
+        offered = ", ".join(g.pci_bus_id for g in inventory) or "none"
+        why = (
+            "is in MIG mode; a VM takes a whole GPU"
+            if gpu.mig_enabled
+            else f"is not one VMs are given here: {self.passthrough.why_none((gpu,))}"
+        )
+        raise UnknownGpuDevice(
+            field,
+            device_id,
+            f"GPU index {shown(device_id)} ({gpu.pci_bus_id}) in {field} {why} (this host's: "
+            f"{offered})",
+        )
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         try:
@@ -203,8 +219,8 @@ class VmDriver(Driver):
         if not self._whole_gpus():
             return Availability(
                 False,
-                "needed NVIDIA GPUs not in MIG mode (found none through NVML or nvidia-smi; "
-                "use --sim-gpus=N for a simulated GPU host)",
+                "needed NVIDIA GPUs not in MIG mode (found none through NVML, nvidia-smi or "
+                "the PCI bus; use --sim-gpus=N for a simulated GPU host)",
             )
         if not self.inventory():
             return Availability(False, self.passthrough.why_none(self._whole_gpus()))
@@ -408,6 +424,10 @@ def _raise_start_error(
     """Raise the typed error for what made a VM fail to start, if it is one of the known."""
     if isinstance(exc, GpuFunctionBusy):
         raise GpuBusy(", ".join(gpu.pci_bus_id for gpu in launch.gpus), str(exc)) from exc
+    if isinstance(exc, VfioRefused):  # refused before anything was changed, or QEMU run
+        raise SandboxStartError(
+            f"VM {launch.sandbox_id} could not start: VfioRefused: {exc}"
+        ) from exc
     if isinstance(exc, (OSError, VfioError, TimeoutError, EOFError, SandboxExecError)):
         raise SandboxStartError(
             f"VM {launch.sandbox_id} could not start: {type(exc).__name__}: {exc}; "

@@ -6,8 +6,10 @@ of a PCI device; the instances of a GPU in MIG mode belong to the host's driver)
 - On a real host it is passed through with VFIO (``-device vfio-pci,host=<BDF>``): its
   IOMMU group is bound to vfio-pci before the VM starts and given back to its drivers when
   the VM ends (``gpuhost.vfio``), and groups a crashed run left bound are given back when a
-  sandbox starts or a session is reaped. The guest image must bring the NVIDIA driver
-  (``VfioPassthrough``).
+  sandbox starts or a session is reaped. The GPUs are those of the PCI bus: by default
+  those bound to vfio-pci already (NVML and nvidia-smi do not list them), and with the
+  opt-in (``GPU_SANDBOX_VM_REBIND=1``) those of the nvidia driver too. The guest image must
+  bring the NVIDIA driver (``VfioPassthrough``).
 - On a simulated host (``gpuhost.simulated``) there is no device to pass through: QEMU's
   multi-process device (``x-pci-proxy-dev``) presents a PCI function with NVIDIA's ids,
   served by ``gpuhost.simulated.pci_proxy`` from this process, and the guest's init makes a
@@ -32,12 +34,19 @@ from typing import ClassVar
 from drivers.host_process import HOST_PATH
 from drivers.vm.image import GUEST_PATH, cpio, with_overlay
 from drivers.vm.template import COLD, SNAPSHOT
-from gpuhost.devices import GpuDevice
+from gpuhost.devices import GpuDevice, sorted_by_pci
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
 from gpuhost.simulated import SANDBOX_SHARE, SimulatedHost
 from gpuhost.simulated.pci_proxy import GpuFunction
-from gpuhost.vfio import REBIND_ENV, VFIO_DRIVER, VfioBinder, VfioClaim, VfioError
+from gpuhost.vfio import (
+    NVIDIA_DRIVER,
+    REBIND_ENV,
+    VFIO_DRIVER,
+    BusGpu,
+    VfioBinder,
+    VfioClaim,
+)
 
 
 class GpuClaim(abc.ABC):
@@ -89,6 +98,10 @@ class Passthrough(abc.ABC):
     def reconcile(self) -> None:
         """Give back what VMs that died left taken (when a session is reaped)."""
 
+    def gpus(self, listed: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
+        """The host's NVIDIA GPUs as VMs see them, given those NVML or nvidia-smi ``listed``."""
+        return listed
+
     def offered(self, gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
         """Of the host's whole GPUs, those VMs may be given: all of them, unless the host says."""
         return gpus
@@ -116,37 +129,62 @@ class VfioPassthrough(Passthrough):
         self.binder = binder
 
     def unavailable(self) -> str | None:
-        if Path("/dev/vfio/vfio").exists():
+        container = self.binder.dev / "vfio" / "vfio"
+        if container.exists():
             return None
         return (
-            "needed VFIO (found no /dev/vfio/vfio: modprobe vfio-pci, and enable the "
+            f"needed VFIO (found no {container}: modprobe vfio-pci, and enable the "
             "IOMMU with intel_iommu=on or amd_iommu=on)"
         )
+
+    def gpus(self, listed: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
+        """Every NVIDIA GPU of the PCI bus, whichever driver has it, numbered in bus order.
+
+        Those NVML or nvidia-smi list keep what they say (UUID, name, MIG mode). One they do
+        not list (bound to vfio-pci) is named by its PCI address (``PCI-<bus id>``, as
+        ``gpuhost.pci`` names GPUs no tool gives a UUID for), or by the UUID the nvidia
+        driver gave it where a claim of this host took it from that driver and recorded it.
+        """
+        by_bus = {gpu.pci_bus_id: gpu for gpu in listed}
+        found = [
+            by_bus.pop(gpu.bus) if gpu.bus in by_bus else _unlisted(gpu)
+            for gpu in self.binder.bus_gpus()
+        ]
+        return sorted_by_pci([*found, *by_bus.values()])
 
     def offered(self, gpus: tuple[GpuDevice, ...]) -> tuple[GpuDevice, ...]:
         # A GPU serving the nvidia driver may be in use (a persistence daemon, another job, a
         # display): it is taken from it only when asked (the binder's rebind).
-        if self.binder.rebind:
-            return gpus
-        return tuple(gpu for gpu in gpus if not self._bound_elsewhere(gpu))
+        on_bus = {gpu.bus: gpu for gpu in self.binder.bus_gpus()}
+        return tuple(gpu for gpu in gpus if self._offers(on_bus.get(gpu.pci_bus_id)))
+
+    def _offers(self, gpu: BusGpu | None) -> bool:
+        if gpu is None:  # listed by NVML, but not on the bus as sysfs shows it
+            return self.binder.rebind
+        if gpu.passes_through:
+            return True
+        return self.binder.rebind and gpu.driver == NVIDIA_DRIVER and bool(gpu.group)
 
     def why_none(self, gpus: tuple[GpuDevice, ...]) -> str:
+        on_bus = {gpu.bus: gpu for gpu in self.binder.bus_gpus()}
         found = ", ".join(
-            f"{gpu.pci_bus_id} bound to {self.binder.driver_of(gpu.pci_bus_id) or 'no driver'}"
+            on_bus[gpu.pci_bus_id].describe() if gpu.pci_bus_id in on_bus else gpu.pci_bus_id
             for gpu in gpus
         )
-        return (
-            f"needed GPUs bound to {VFIO_DRIVER} (found: {found}); to let VMs take GPUs from "
-            f"the nvidia driver, those no process holds open: --vm-rebind-gpus, or "
-            f"{REBIND_ENV}=1"
+        prepare = (
+            f"bind each GPU's IOMMU group to {VFIO_DRIVER} beforehand (driverctl "
+            f"set-override <BDF> {VFIO_DRIVER})"
         )
-
-    def _bound_elsewhere(self, gpu: GpuDevice) -> bool:
-        try:
-            functions = self.binder.group_functions(self.binder.group_of(gpu.pci_bus_id))
-        except (VfioError, OSError):
-            return True  # no IOMMU group: the claim would fail, and say why
-        return any(self.binder.driver_of(fn) not in (None, VFIO_DRIVER) for fn in functions)
+        if self.binder.rebind:
+            return (
+                f"needed NVIDIA GPUs bound to {VFIO_DRIVER}, or to {NVIDIA_DRIVER} in an "
+                f"IOMMU group (found: {found}); {prepare}"
+            )
+        return (
+            f"needed NVIDIA GPUs bound to {VFIO_DRIVER} (found: {found}); {prepare}, or let "
+            f"VMs take GPUs from the {NVIDIA_DRIVER} driver, those no process holds open: "
+            f"--vm-rebind-gpus, or {REBIND_ENV}=1"
+        )
 
     def claim(self, gpu: GpuDevice, sandbox_id: str) -> GpuClaim:
         self.binder.reconcile()  # groups that a VM which died left bound
@@ -155,6 +193,11 @@ class VfioPassthrough(Passthrough):
 
     def reconcile(self) -> None:
         self.binder.reconcile()
+
+
+def _unlisted(gpu: BusGpu) -> GpuDevice:
+    """A GPU no NVIDIA tool lists: its PCI address names it, unless its UUID was recorded."""
+    return GpuDevice(0, gpu.uuid or f"PCI-{gpu.bus}", f"NVIDIA GPU at {gpu.bus}", gpu.bus)
 
 
 class VfioGpu(GpuClaim):
