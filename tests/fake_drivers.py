@@ -12,7 +12,7 @@ from drivers.base import Availability, Command, Launch, Output
 from drivers.reference import ReferenceDriver, ReferenceSandbox
 from gpuhost.errors import InvalidDriverConfig
 from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan
-from tests.broken_drivers import NoLocking
+from tests.breakers.exhaustion import NoLocking
 
 
 class UnavailableDriver(ReferenceDriver):

@@ -31,8 +31,8 @@ from gpuhost.errors import GpusExhausted, UnknownGpuDevice, UnknownImage
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from gpuhost.wait import wait_until
-from tests import broken_containers
-from tests.test_planted import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
+from tests.breakers import containers
+from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, planted_name, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("engines")
 CDI_DIR = Path("/var/run/cdi")
@@ -68,16 +68,14 @@ def test_catalogue_passes_on_the_real_engine(
     assert {req for req in required if verdicts[req] != "passed"} == set(), verdicts
 
 
-@pytest.mark.parametrize(
-    "broken", broken_containers.ALL, ids=[cls.__name__ for cls in broken_containers.ALL]
-)
+@pytest.mark.parametrize("broken", containers.ALL, ids=[cls.__name__ for cls in containers.ALL])
 def test_catalogue_fails_the_broken_container_driver(
     pytester: pytest.Pytester,
     tmp_path: Path,
     engine_host: GpuHost,
-    broken: type[broken_containers.BrokenContainerDriver],
+    broken: type[containers.BrokenContainerDriver],
 ) -> None:
-    name = f"tests.broken_containers:{broken.__name__}"
+    name = planted_name(broken)
     result, _ = run_catalogue(
         pytester,
         tmp_path,

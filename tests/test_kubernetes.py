@@ -50,8 +50,8 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SHARED, SandboxSpec, parse_spec
-from tests import broken_pods
-from tests.test_planted import assert_fails_its_requirement, golden_ids, run_catalogue
+from tests.breakers import pods
+from tests.catalogue import assert_fails_its_requirement, golden_ids, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("kubernetes")
 DATA = Path(__file__).parent / "data" / "kubernetes"
@@ -489,11 +489,11 @@ def test_catalogue_passes_the_kubernetes_driver(pytester: pytest.Pytester, tmp_p
     assert run.ret == pytest.ExitCode.OK
 
 
-@pytest.mark.parametrize("broken", broken_pods.ALL, ids=[cls.__name__ for cls in broken_pods.ALL])
+@pytest.mark.parametrize("broken", pods.ALL, ids=[cls.__name__ for cls in pods.ALL])
 def test_catalogue_fails_the_broken_kubernetes_driver(
-    pytester: pytest.Pytester, tmp_path: Path, broken: type[broken_pods.BrokenPodDriver]
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[pods.BrokenPodDriver]
 ) -> None:
-    assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_pods", 2)
+    assert_fails_its_requirement(pytester, tmp_path, broken, 2)
 
 
 def test_the_node_annotation_carries_each_gpu_with_its_device_node(tmp_path: Path) -> None:

@@ -2,99 +2,50 @@
 
 from __future__ import annotations
 
-import json
+import inspect
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from conformance import requirements
-from gpuhost import simulated
-from tests import broken_containers
-from tests.broken_drivers import ALL, BrokenDriver, OmitsCtlNode, OmitsUvmNode
-from workloads.manifest import REQUIREMENT_PREFIX
+from tests.breakers import ALL, containers, pods, vms
+from tests.breakers.base import BrokenDriver
+from tests.breakers.exhaustion import WaitsForAFreeGpu
+from tests.breakers.lifecycle import ReapDoesNothing
+from tests.breakers.visibility import OmitsCtlNode, OmitsUvmNode
 
-ROOT = Path(__file__).parent.parent
-
-
-def golden_ids() -> set[str]:
-    """The conformance catalogue's requirements (the workload lane's need a real GPU)."""
-    text = (ROOT / "conformance" / "REQUIREMENTS.yaml").read_text()
-    ids = {str(entry["id"]) for entry in yaml.safe_load(text)["requirements"]}
-    return {i for i in ids if not i.startswith(REQUIREMENT_PREFIX)}
-
-
-MIG_LAYOUT = simulated.parse_mig_layout("0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb")
-DRI_LAYOUT = simulated.parse_dri_layout("intel:1,amd:2")
-
-
-def run_catalogue(
-    pytester: pytest.Pytester,
-    tmp_path: Path,
-    driver: str,
-    gpus: int = 8,
-    *args: str,
-    sim_root: Path | None = None,
-    full: bool = True,
-) -> tuple[dict[str, Any], pytest.RunResult]:
-    """Run the conformance catalogue against ``driver``; ``args`` go to pytest.
-
-    The host is a fresh simulated one of ``gpus`` GPUs, unless ``sim_root`` names one;
-    ``full``: two of them in MIG mode, and AMD and Intel GPUs beside them.
-    """
-    if sim_root is None:
-        mig, dri = (MIG_LAYOUT, DRI_LAYOUT) if full else (None, None)
-        sim_root = simulated.setup(tmp_path / "sim", gpus, mig=mig, dri=dri).root
-    root = sim_root
-    report = tmp_path / "conformance.json"
-    run = pytester.runpytest_subprocess(
-        str(ROOT / "conformance"),
-        f"--rootdir={ROOT}",
-        "-c",
-        str(ROOT / "pytest.ini"),
-        "-p",
-        "no:cacheprovider",
-        f"--driver={driver}",
-        f"--sim-root={root}",
-        "--reclaim-timeout=2",
-        f"--conformance-json={report}",
-        *args,
-        timeout=600,
-    )
-    assert report.exists(), "the catalogue run wrote no report"
-    result: dict[str, Any] = json.loads(report.read_text())
-    return result, run
-
-
-def assert_fails_its_requirement(
-    pytester: pytest.Pytester, tmp_path: Path, broken: type, module: str, gpus: int, *args: str
-) -> None:
-    """The catalogue run on ``broken`` (one ``BREAKS`` requirement) fails it, and the run."""
-    __tracebackhide__ = True
-    name = f"{module}:{broken.__name__}"
-    requirement: str = broken.BREAKS  # type: ignore[attr-defined]
-    result, run = run_catalogue(
-        pytester, tmp_path, name, gpus, *args, f"--requirement={requirement}", full=False
-    )
-    explained = f"{broken.__name__} ({broken.__doc__}) breaks {requirement}: {result['tests']}"
-    assert result["matrix"][requirement][name] == "failed", explained
-    assert [test for test in result["tests"] if test["outcome"] == "failed"], explained
-    run.stdout.fnmatch_lines([f"{name}: FAIL — *{requirement}*"])
+# Those imported ``as`` themselves are re-exported for tests/test_external_driver.py.
+from tests.catalogue import DRI_LAYOUT as DRI_LAYOUT
+from tests.catalogue import MIG_LAYOUT as MIG_LAYOUT
+from tests.catalogue import ROOT as ROOT
+from tests.catalogue import assert_fails_its_requirement, planted_name
+from tests.catalogue import golden_ids as golden_ids
+from tests.catalogue import run_catalogue as run_catalogue
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:
     required = golden_ids()
-    broken = {cls.BREAKS for cls in ALL} | {cls.BREAKS for cls in broken_containers.ALL}
+    broken = {cls.BREAKS for cls in ALL} | {cls.BREAKS for cls in containers.ALL}
     assert required - broken == set(), "requirements no planted driver breaks"
+
+
+def test_every_planted_breaker_names_its_requirement_first() -> None:
+    """Its docstring starts with its ``BREAKS``, for whoever reads the class."""
+    planted: list[type] = [*ALL, *containers.ALL, *pods.ALL, *vms.ALL]
+    unnamed = [
+        cls.__qualname__
+        for cls in planted
+        if not (inspect.getdoc(cls) or "").startswith(f"{cls.BREAKS}: ")  # type: ignore[attr-defined]
+    ]
+    assert unnamed == [], "planted breakers whose docstring does not start with BREAKS"
 
 
 @pytest.mark.parametrize("broken", ALL, ids=[cls.__name__ for cls in ALL])
 def test_catalogue_fails_the_broken_driver(
     pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
 ) -> None:
-    name = f"tests.broken_drivers:{broken.__name__}"
+    name = planted_name(broken)
     wanted = broken.BREAKS_ONE_OF or {broken.BREAKS}
     result, run = run_catalogue(
         pytester, tmp_path, name, 8, f"--requirement={','.join(sorted(wanted))}"
@@ -176,7 +127,7 @@ def test_a_broken_reap_fails_its_requirement_and_nothing_else(
     The whole catalogue, on the gate's host layout: sandboxes a broken reap leaves behind
     are closed by the fixture after each test, and what is left fails that test alone.
     """
-    name = "tests.broken_drivers:ReapDoesNothing"
+    name = planted_name(ReapDoesNothing)
     result, _ = run_catalogue(pytester, tmp_path, name, 8)
     failed = {
         requirement
@@ -195,14 +146,14 @@ def test_on_one_gpu_a_driver_that_leaves_out_a_cuda_node_fails_isolation(
     pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
 ) -> None:
     """Without the workload lane: most CI runners have one GPU."""
-    assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_drivers", 1)
+    assert_fails_its_requirement(pytester, tmp_path, broken, 1)
 
 
 def test_a_driver_that_never_refuses_fails_by_name_without_waiting_out_the_test_bound(
     pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """Each create is bounded by the driver's own pace: no test waits out the 900 s bound."""
-    name = "tests.broken_drivers:WaitsForAFreeGpu"
+    name = planted_name(WaitsForAFreeGpu)
     asked = ["GPU-DEFAULT-02", "MIG-PROFILE-01", "DRI-EXCLUSIVE-01"]
     start = time.monotonic()
     result, run = run_catalogue(pytester, tmp_path, name, 8, f"--requirement={','.join(asked)}")

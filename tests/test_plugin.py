@@ -169,7 +169,7 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
         optional_profile="""
         import dataclasses
 
-        NAME = "tests.broken_drivers:RoundRobin"
+        NAME = "tests.breakers.selection:RoundRobin"
 
         def pytest_configure(config):
             from conformance import requirements
@@ -192,7 +192,7 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
         pytester,
         "-p",
         "optional_profile",
-        "--driver=tests.broken_drivers:RoundRobin",
+        "--driver=tests.breakers.selection:RoundRobin",
         f"--sim-root={host.root}",
         "-k",
         "default_request or own_block",
@@ -201,7 +201,7 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
     assert result.parseoutcomes().get("failed", 0) > 0
     result.stdout.fnmatch_lines(
         [
-            "tests.broken_drivers:RoundRobin: PASS (1/1 mandatory passed; * not run (no test "
+            "tests.breakers.selection:RoundRobin: PASS (1/1 mandatory passed; * not run (no test "
             "selected): GPU-NONE-01, GPU-DEFAULT-01, GPU-COUNT-01, GPU-ISOLATION-01 and * more; "
             "1 optional failed)"
         ]

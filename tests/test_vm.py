@@ -27,8 +27,8 @@ from gpuhost.errors import UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.simulated import pci_proxy
 from gpuhost.spec import SHARED, SandboxSpec
-from tests import broken_vms
-from tests.test_planted import assert_fails_its_requirement, golden_ids, run_catalogue
+from tests.breakers import vms
+from tests.catalogue import assert_fails_its_requirement, golden_ids, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("vm")
 RECLAIM_TIMEOUT = "--reclaim-timeout=10"
@@ -70,11 +70,11 @@ def test_catalogue_passes_the_vm_driver(pytester: pytest.Pytester, tmp_path: Pat
     assert run.ret == pytest.ExitCode.OK
 
 
-@pytest.mark.parametrize("broken", broken_vms.ALL, ids=[cls.__name__ for cls in broken_vms.ALL])
+@pytest.mark.parametrize("broken", vms.ALL, ids=[cls.__name__ for cls in vms.ALL])
 def test_catalogue_fails_the_broken_vm_driver(
-    pytester: pytest.Pytester, tmp_path: Path, broken: type[broken_vms.BrokenVmDriver]
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[vms.BrokenVmDriver]
 ) -> None:
-    assert_fails_its_requirement(pytester, tmp_path, broken, "tests.broken_vms", 4, RECLAIM_TIMEOUT)
+    assert_fails_its_requirement(pytester, tmp_path, broken, 4, RECLAIM_TIMEOUT)
 
 
 def _nothing_taken(driver: VmDriver) -> None:

@@ -36,7 +36,7 @@ class BrokenContainerDriver(ContainerDriver):
 
 
 class RoundRobinDefault(BrokenContainerDriver):
-    """Defaults go round-robin with no record of which GPU is in use (the old selection)."""
+    """GPU-DEFAULT-02: defaults go round-robin with no record of which GPU is in use."""
 
     BREAKS = "GPU-DEFAULT-02"
     _next: ClassVar[itertools.count[int]] = itertools.count()
@@ -49,7 +49,7 @@ class RoundRobinDefault(BrokenContainerDriver):
 
 
 class AllOnDefault(BrokenContainerDriver):
-    """A default request injects nvidia.com/gpu=all (the old default) though it leases one."""
+    """GPU-DEFAULT-01: a default request injects nvidia.com/gpu=all, though it leases one."""
 
     BREAKS = "GPU-DEFAULT-01"
 
@@ -60,7 +60,7 @@ class AllOnDefault(BrokenContainerDriver):
 
 
 class LeaseKeptAfterRemoval(BrokenContainerDriver):
-    """Leases are held by the creating process, not the container: removal frees nothing."""
+    """GPU-RECLAIM-03: leases held by the creating process, not the container: kept."""
 
     BREAKS = "GPU-RECLAIM-03"
 
@@ -69,7 +69,7 @@ class LeaseKeptAfterRemoval(BrokenContainerDriver):
 
 
 class InjectsNeighbour(BrokenContainerDriver):
-    """Exact IDs inject the next GPU's CDI device while the driver reports the one asked for."""
+    """GPU-ORACLE-01: exact IDs inject the next GPU's CDI device, reported as the one asked."""
 
     BREAKS = "GPU-ORACLE-01"
 
@@ -83,7 +83,7 @@ class InjectsNeighbour(BrokenContainerDriver):
 
 
 class AllHoldsOne(BrokenContainerDriver):
-    """nvidia.com/gpu=all injects every GPU but leases only the first."""
+    """GPU-ALL-01: nvidia.com/gpu=all injects every GPU but leases only the first."""
 
     BREAKS = "GPU-ALL-01"
 
@@ -94,7 +94,7 @@ class AllHoldsOne(BrokenContainerDriver):
 
 
 class CloseReturnsEarly(BrokenContainerDriver):
-    """close returns once the keepalive is closed: the leases go back while the container runs."""
+    """GPU-RELEASE-01: close returns once the keepalive is closed: leases go back too soon."""
 
     BREAKS = "GPU-RELEASE-01"
 
@@ -103,7 +103,7 @@ class CloseReturnsEarly(BrokenContainerDriver):
 
 
 class KeepaliveDirMounted(BrokenContainerDriver):
-    """Binds the keepalive directory, every sandbox's FIFO in it, not the sandbox's own FIFO."""
+    """SANDBOX-FS-01: binds the keepalive directory, every sandbox's FIFO, not its own FIFO."""
 
     BREAKS = "SANDBOX-FS-01"
 
@@ -117,7 +117,7 @@ class KeepaliveDirMounted(BrokenContainerDriver):
 
 
 class EngineSocketMounted(BrokenContainerDriver):
-    """Mounts the engine's API socket, for sandboxes that start sibling containers."""
+    """SANDBOX-FS-01: mounts the engine's API socket, to start sibling containers."""
 
     BREAKS = "SANDBOX-FS-01"
 
@@ -130,7 +130,7 @@ class EngineSocketMounted(BrokenContainerDriver):
 
 
 class ReapSeesRunningOnly(BrokenContainerDriver):
-    """Reap and ``sandboxes`` list running containers only (``ps`` without ``--all``).
+    """SANDBOX-REAP-01: reap and ``sandboxes`` see running containers only (no ``--all``).
 
     A container whose creator died between creating and starting it is never removed.
     """
@@ -148,7 +148,7 @@ class ReapSeesRunningOnly(BrokenContainerDriver):
 
 
 class AliasesFirstWins(BrokenContainerDriver):
-    """Reads ``gpu_device_ids`` first: given with ``cdi_devices`` too, that one is dropped."""
+    """GPU-VALIDATE-01: ``gpu_device_ids`` read first: ``cdi_devices`` beside it is dropped."""
 
     BREAKS = "GPU-VALIDATE-01"
 
@@ -162,7 +162,7 @@ class AliasesFirstWins(BrokenContainerDriver):
 
 
 class LivenessRunningOnly(BrokenContainerDriver):
-    """Judges a container holder alive only while it runs: a paused one's GPUs are taken."""
+    """GPU-BUSY-01: a container holder is alive only while it runs: a paused one's GPUs go."""
 
     BREAKS = "GPU-BUSY-01"
 
@@ -266,21 +266,21 @@ class PodmanReapSeesRunningOnly(ReapSeesRunningOnly, PodmanDriver):
 
 
 class DockerGainsPrivileges(BrokenContainerDriver, DockerDriver):
-    """Containers without ``no-new-privileges``: a setuid program in one gains privileges."""
+    """SANDBOX-PRIV-01: no ``no-new-privileges``: a setuid program in a container gains them."""
 
     BREAKS = "SANDBOX-PRIV-01"
     security_opt = ()
 
 
 class DockerSystemPathsUnconfined(BrokenContainerDriver, DockerDriver):
-    """``systempaths=unconfined``: /proc/sys writable, the host's kernel settings with it."""
+    """SANDBOX-PRIV-01: ``systempaths=unconfined``: /proc/sys, the host's settings, writable."""
 
     BREAKS = "SANDBOX-PRIV-01"
     security_opt = ("no-new-privileges", "systempaths=unconfined")
 
 
 class PodmanNoNewPrivilegesAsSecurityOpt(BrokenContainerDriver, PodmanDriver):
-    """Asks for no-new-privileges in ``security_opt``, which podman-py sends as SELinux options."""
+    """SANDBOX-PRIV-01: no-new-privileges in ``security_opt``: podman-py sends SELinux options."""
 
     BREAKS = "SANDBOX-PRIV-01"
     security = MappingProxyType({"security_opt": ["no-new-privileges"]})

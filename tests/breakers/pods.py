@@ -27,7 +27,7 @@ class BrokenPodDriver(KubernetesDriver):
 
 
 class DeviceIdsIgnored(BrokenPodDriver):
-    """Exact device IDs are dropped from the request instead of refused: a default GPU."""
+    """GPU-VALIDATE-03: exact device IDs are dropped instead of refused: a default GPU."""
 
     BREAKS = "GPU-VALIDATE-03"
 
@@ -37,7 +37,7 @@ class DeviceIdsIgnored(BrokenPodDriver):
 
 
 class PendingReportedAsSuccess(BrokenPodDriver):
-    """A pod is a sandbox as soon as it exists: a Pending pod (no GPU free) is a success."""
+    """GPU-EXHAUST-01: a pod is a sandbox once it exists: a Pending pod (none free) succeeds."""
 
     BREAKS = "GPU-EXHAUST-01"
 
@@ -52,7 +52,7 @@ class PendingReportedAsSuccess(BrokenPodDriver):
 
 
 class GpuLimitDropped(BrokenPodDriver):
-    """The pod is made without its ``nvidia.com/gpu`` limit: it runs, with no GPU."""
+    """GPU-DEFAULT-01: the pod is made without its ``nvidia.com/gpu`` limit: no GPU."""
 
     BREAKS = "GPU-DEFAULT-01"
 
@@ -61,7 +61,7 @@ class GpuLimitDropped(BrokenPodDriver):
 
 
 class LeakyDevicePlugin(BrokenPodDriver):
-    """Pods get their GPUs from a device plugin that injects every GPU's device node."""
+    """GPU-ISOLATION-01: a device plugin that injects every GPU's device node into each pod."""
 
     BREAKS = "GPU-ISOLATION-01"
 
@@ -71,7 +71,7 @@ class LeakyDevicePlugin(BrokenPodDriver):
 
 
 class PodGainsPrivileges(BrokenPodDriver):
-    """Pods allow privilege escalation: a setuid program in one gains privileges."""
+    """SANDBOX-PRIV-01: pods allow privilege escalation: a setuid program in one gains them."""
 
     BREAKS = "SANDBOX-PRIV-01"
     security_context = MappingProxyType({"privileged": False, "allowPrivilegeEscalation": True})

@@ -1,0 +1,256 @@
+"""Planted breakers of running a command in a sandbox: SANDBOX-EXEC-01, SANDBOX-ENV-01.
+
+Exit code, output, timeout and environment of ``exec`` and ``exec_stream``. Their tests: the
+exec and env tests of conformance/test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import Callable, Mapping
+
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, Launch, Output
+from drivers.reference import ReferenceSandbox
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process
+from tests.breakers.base import BrokenDriver
+
+
+class _LyingSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        super().run(command, output)
+        return 0
+
+
+class ExecHidesExitCode(BrokenDriver):
+    """SANDBOX-EXEC-01: exec() reports success whatever the command returned."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _LyingSandbox
+
+
+def _rewritten(
+    run: Callable[[Command, Output], int],
+    command: Command,
+    output: Output,
+    stdout: Callable[[bytes], bytes],
+    stderr: Callable[[bytes], bytes] = bytes,
+) -> int:
+    """``run`` whose whole output, once the command ended, is rewritten on its way out."""
+    kept = Output()
+    returncode = run(command, kept)
+    out, err = kept.kept()
+    output.stdout(stdout(out))
+    output.stderr(stderr(err))
+    return returncode
+
+
+class _TruncatingSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        return _rewritten(super().run, command, output, lambda out: out[:65536])
+
+
+class ExecTruncatesOutput(BrokenDriver):
+    """SANDBOX-EXEC-01: exec() returns at most 64 KiB of output, as a fixed buffer would."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TruncatingSandbox
+
+
+_SILENT_TOO_LONG = 231
+
+
+_IDLE_WATCH = f"""
+t=$1; shift; o=$(mktemp); e=$(mktemp); "$@" >"$o" 2>"$e" & pid=$!; size=-1; last=$(date +%s)
+while kill -0 $pid 2>/dev/null; do
+  now=$(cat "$o" "$e" | wc -c)
+  if [ "$now" != "$size" ]; then size=$now; last=$(date +%s); fi
+  if [ $(( $(date +%s) - last )) -ge "$t" ]; then kill -9 $pid; exit {_SILENT_TOO_LONG}; fi
+  sleep 0.1
+done
+wait $pid; rc=$?; cat "$o"; cat "$e" >&2; exit $rc
+"""
+
+
+class _IdleTimeoutSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        if output.fds is not None:
+            return super().run(command, output)
+        # The command under a shell in the sandbox that kills it after `timeout` of silence.
+        silence = str(max(1, round(command.timeout)))
+        watched = ["sh", "-c", _IDLE_WATCH, "sh", silence, *command.argv]
+        returncode = super().run(
+            dataclasses.replace(command, argv=tuple(watched), timeout=DEFAULT_EXEC_TIMEOUT_S),
+            output,
+        )
+        if returncode == _SILENT_TOO_LONG:
+            raise CommandTimedOut
+        return returncode
+
+
+class ExecIdleTimeout(BrokenDriver):
+    """SANDBOX-EXEC-01: exec's timeout counts silence: a command that keeps printing runs on."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _IdleTimeoutSandbox
+
+
+class _TextModeSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        def text(out: bytes) -> bytes:  # what subprocess.run(text=True) does: universal newlines
+            return out.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+        return _rewritten(super().run, command, output, text, text)
+
+
+class ExecUniversalNewlines(BrokenDriver):
+    """SANDBOX-EXEC-01: exec decodes output in text mode: each CR LF and lone CR is an LF."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TextModeSandbox
+
+
+class _SignalStyleSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        returncode = super().run(command, output)
+        # "128 + N: killed by signal N", as Python reports it
+        return 128 - returncode if returncode > 128 else returncode
+
+
+class ExecSignalStyleExitCodes(BrokenDriver):
+    """SANDBOX-EXEC-01: exit codes past 128 come back as -N ("killed by signal N"): 130 is -2."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _SignalStyleSandbox
+
+
+class _WholeSecondsSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        seconds = int(command.timeout)  # as timeout(1) takes it, where 0 means none
+        timeout = seconds or DEFAULT_EXEC_TIMEOUT_S
+        return super().run(dataclasses.replace(command, timeout=timeout), output)
+
+
+class ExecTimeoutWholeSeconds(BrokenDriver):
+    """SANDBOX-EXEC-01: exec takes its timeout in whole seconds: under one second there is none."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _WholeSecondsSandbox
+
+
+class _FrameDecodingSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        def text(data: bytes) -> bytes:  # each 4 KiB frame decoded as it comes
+            frames = (data[i : i + 4096] for i in range(0, len(data), 4096))
+            return "".join(frame.decode(errors="replace") for frame in frames).encode()
+
+        return _rewritten(super().run, command, output, text, text)
+
+
+class ExecDecodesPerFrame(BrokenDriver):
+    """SANDBOX-EXEC-01: exec decodes per 4 KiB frame: a UTF-8 character across two is lost."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _FrameDecodingSandbox
+
+
+class _StreamWithoutTimeout(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        if output.fds is not None:
+            command = dataclasses.replace(command, timeout=DEFAULT_EXEC_TIMEOUT_S)
+        return super().run(command, output)
+
+
+class ExecStreamIgnoresTimeout(BrokenDriver):
+    """SANDBOX-EXEC-01: exec_stream (`gpu-sandbox run`) runs commands under the default timeout."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _StreamWithoutTimeout
+
+
+class _ClosedFlagOnlySandbox(ReferenceSandbox):
+    def running(self) -> bool:
+        return True  # the contract's closed flag is enough, no /proc read per exec
+
+
+class ExecSkipsLivenessCheck(BrokenDriver):
+    """SANDBOX-EXEC-01: exec checks only close(): in a dead sandbox, nsenter's failure is exit 1."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _ClosedFlagOnlySandbox
+
+
+class _TimeoutFloorSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        # "nsenter takes a second to start under load": never less than 5 s.
+        return super().run(dataclasses.replace(command, timeout=max(command.timeout, 5.0)), output)
+
+
+class ExecTimeoutFloor(BrokenDriver):
+    """SANDBOX-EXEC-01: timeouts under 5 s are 5 s: a command given 0.5 s ending in 3 s returns."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _TimeoutFloorSandbox
+
+
+class _KillsEverythingOnTimeout(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        try:
+            return super().run(command, output)
+        except CommandTimedOut:
+            # "Leave nothing of it behind": every process that any exec started.
+            marked = f"{EXEC_MARKER_ENV}=".encode()
+            for pid, environ in each_process("environ"):
+                if any(entry.startswith(marked) for entry in environ.split(b"\0")):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            raise
+
+
+class TimeoutKillsTheWholeSandbox(BrokenDriver):
+    """SANDBOX-EXEC-01: a timed-out exec kills every process any exec started, others too."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _KillsEverythingOnTimeout
+
+
+class HostEnvironmentLeaks(BrokenDriver):
+    """SANDBOX-ENV-01: commands get the creating process's whole environment, the spec's over it."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return {**os.environ, **super().sandbox_env(extra)}
+
+
+class SpecEnvCannotOverrideDefaults(BrokenDriver):
+    """SANDBOX-ENV-01: the driver's PATH, HOME and LANG go over the spec's env."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return {**extra, **super().sandbox_env({})}
+
+
+class DropsLoaderVariables(BrokenDriver):
+    """SANDBOX-ENV-01: drops the loader's variables (LD_*) from the spec's env, "for safety"."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        return super().sandbox_env({k: v for k, v in extra.items() if not k.startswith("LD_")})
+
+
+class ForcesCudaVisibleDevices(BrokenDriver):
+    """SANDBOX-ENV-01: sets CUDA_VISIBLE_DEVICES to its NVIDIA GPUs' UUIDs, over the spec's own."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        nvidia = [gpu.uuid for gpu in launch.gpus if gpu.vendor == "nvidia"]
+        if nvidia:
+            sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
+        return sandbox

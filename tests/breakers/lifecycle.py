@@ -1,0 +1,221 @@
+"""Planted breakers of giving GPUs back: GPU-RELEASE-01, GPU-RECLAIM-01/02, SANDBOX-REAP-01.
+
+GPUs come back when a sandbox closes, dies or loses its creator, and reap leaves nothing of
+a session. Their tests: conformance/test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+from drivers import reference
+from drivers.base import Launch, Sandbox
+from drivers.reference import ReferenceSandbox
+from gpuhost.devices import GpuDevice
+from gpuhost.leases import Holder, LeaseOwner, process_running
+from gpuhost.procfs import each_process
+from gpuhost.spec import GpuPlan, SandboxSpec
+from gpuhost.wait import wait_for
+from tests.breakers.base import BrokenDriver
+
+
+class _ReleaseFirstSandbox(ReferenceSandbox):
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # "Give the GPUs back first: a stop that hangs must not strand them."
+        if self._leases is not None:
+            self._leases.release(self.id)
+        self.stop()
+
+
+class ReleasesBeforeStop(BrokenDriver):
+    """GPU-RELEASE-01: close() releases the leases, then stops the sandbox: granted as it runs."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    SANDBOX = _ReleaseFirstSandbox
+
+
+class _KeepsLeasesOnClose(ReferenceSandbox):
+    def close(self) -> None:
+        self.closed = True
+        self.stop()
+
+
+class LeakOnClose(BrokenDriver):
+    """GPU-RELEASE-01: close() stops the sandbox but keeps its lease, held by the creator."""
+
+    BREAKS = "GPU-RELEASE-01"
+
+    SANDBOX = _KeepsLeasesOnClose
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.holder = Holder.process(os.getpid())
+        return sandbox
+
+
+class _KeepsAllButFirstOnClose(ReferenceSandbox):
+    def close(self) -> None:
+        super().close()
+        if len(self.gpus) > 1:  # taken again, held by the creator, under another sandbox id
+            owner = LeaseOwner("reference", f"{self.id}-kept", "", Holder.process(os.getpid()))
+            assert self._leases is not None
+            self._leases.acquire(self.gpus, owner, exact=self.gpus[1:])
+
+
+class LeaksAllButFirst(BrokenDriver):
+    """GPU-RELEASE-01: close() gives back the first GPU of a sandbox and keeps the others."""
+
+    BREAKS = "GPU-RELEASE-01"
+    SANDBOX = _KeepsAllButFirstOnClose
+
+
+class NoReclaimOnKill(BrokenDriver):
+    """GPU-RECLAIM-01: leases name a holder nobody can check: a dead sandbox keeps its GPUs."""
+
+    BREAKS = "GPU-RECLAIM-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        sandbox.holder = Holder("sandbox", str(sandbox.pid))
+        return sandbox
+
+
+class _FreesItsGpusWhenDead(ReferenceSandbox):
+    def close(self) -> None:
+        if self.closed:
+            return
+        dead = not process_running(self._child_pid, self._child_start)
+        super().close()
+        if dead and self._leases is not None:
+            # "Its sandbox is gone: whatever lease is left on its GPUs is a stale one of its own."
+            mine = {gpu.uuid for gpu in self.gpus}
+            for lease in self._leases.leases():
+                if lease.gpu_uuid in mine:
+                    self._leases.release(lease.sandbox_id)
+
+
+class CloseOfDeadSandboxFreesItsGpus(BrokenDriver):
+    """GPU-RECLAIM-01: close() of a dead sandbox drops all leases on its GPUs, a successor's too."""
+
+    BREAKS = "GPU-RECLAIM-01"
+    SANDBOX = _FreesItsGpusWhenDead
+
+
+class OutlivesItsCreator(BrokenDriver):
+    """GPU-RECLAIM-02: sandboxes neither die with their creator nor notice it: orphans keep GPUs."""
+
+    BREAKS = "GPU-RECLAIM-02"
+    init_argv = ("sh", "-c", "echo ready; exec sleep infinity")
+    close_timeout_s = 0.0
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        return [arg for arg in super().bwrap_argv(sandbox_id, gpus) if arg != "--die-with-parent"]
+
+
+class ReapDoesNothing(BrokenDriver):
+    """SANDBOX-REAP-01: reap() removes nothing."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        return []
+
+
+_CREATED_HERE: set[str] = set()
+
+
+class ReapsOnlyItsOwn(BrokenDriver):
+    """SANDBOX-REAP-01: reap() knows only the sandboxes this process made: after a crash, none."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        sandbox = super().create(spec)
+        _CREATED_HERE.add(sandbox.id)
+        return sandbox
+
+    def reap(self, session_id: str) -> list[str]:
+        mine = [s for s in self.sandboxes(session_id) if s in _CREATED_HERE]
+        for sandbox_id, pid in reference._bwrap_processes(session_id):
+            if sandbox_id in mine:
+                os.kill(pid, 9)
+        for sandbox_id in mine:
+            self.host.leases.release(sandbox_id)
+        return mine
+
+
+class ReapReleasesOnlyFound(BrokenDriver):
+    """SANDBOX-REAP-01: reap releases the leases of the sandboxes it finds running, no others."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        found = reference._bwrap_processes(session_id)
+        for _, pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        wait_for(
+            lambda: reference._bwrap_processes(session_id),
+            lambda left: not left,
+            timeout_s=10,
+            what=f"the sandboxes of session {session_id} to exit",
+        )
+        found_ids = sorted({sandbox_id for sandbox_id, _ in found})
+        for sandbox_id in found_ids:
+            self.host.leases.release(sandbox_id)
+        return found_ids
+
+
+class LeasesWithoutSession(BrokenDriver):
+    """SANDBOX-REAP-01: leases stamped with no session (allowed): no reap finds a half-made one."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        owner = LeaseOwner(self.name, sandbox_id, "", Holder.process(os.getpid()))
+        return self.host.leases.acquire(
+            self.pool(plan), owner, count=plan.count, exact=plan.gpus, mode=plan.sharing,
+            share_limit=self.host.share_limit,
+        )  # fmt: skip
+
+
+def _running_sessions() -> set[str]:
+    """The sessions stamped on running bwrap processes."""
+    stamp = reference.SESSION_ENV.encode()
+    found = set()
+    for _, cmdline in each_process("cmdline"):
+        argv = cmdline.split(b"\0")
+        if argv[0].endswith(b"bwrap"):
+            pairs = zip(argv, argv[1:], argv[2:], strict=False)
+            found |= {
+                value.decode() for flag, key, value in pairs if (flag, key) == (b"--setenv", stamp)
+            }
+    return found
+
+
+class ReapMatchesPrefix(BrokenDriver):
+    """SANDBOX-REAP-01: reap takes every session whose id starts with the one asked: 1 reaps 10."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        sessions = _running_sessions() | {lease.session_id for lease in self.host.leases.leases()}
+        matching = sorted(session for session in sessions if session.startswith(session_id))
+        return sorted(sandbox for session in matching for sandbox in super().reap(session))
+
+
+class ReapTakesOtherClientsLeases(BrokenDriver):
+    """SANDBOX-REAP-01: reap drops every lease of the session, other drivers' and clients' too."""
+
+    BREAKS = "SANDBOX-REAP-01"
+
+    def reap(self, session_id: str) -> list[str]:
+        reaped = super().reap(session_id)
+        released = self.host.leases.release_session(session_id)  # no driver= filter
+        return sorted({*reaped, *(lease.sandbox_id for lease in released)})

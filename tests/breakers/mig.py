@@ -1,0 +1,229 @@
+"""Planted breakers of MIG: MIG-EXACT-01, MIG-PROFILE-01, MIG-ISOLATION-01, MIG-EXCLUSIVE-01.
+
+MIG instances by ID and by profile, each exclusive and excluding its GPU whole. Their tests:
+conformance/test_mig.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Self
+
+from drivers.base import Launch
+from drivers.reference import ReferenceSandbox
+from gpuhost.devices import GpuDevice
+from gpuhost.errors import GpusExhausted
+from gpuhost.host import GpuHost
+from gpuhost.leases import Holder, Lease, LeaseOwner
+from gpuhost.spec import GpuPlan
+from tests.breakers.base import BrokenDriver, BrokenRegistry, with_binds
+from tests.breakers.visibility import OmitsUvmNode
+
+
+class MigByGpuOnly(BrokenDriver):
+    """MIG-EXACT-01: a MIG ID gets the first instance of the right GPU: the instance is unread."""
+
+    BREAKS = "MIG-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        first: dict[str | None, GpuDevice] = {}
+        for mig in self.host.mig_devices:
+            first.setdefault(mig.parent_uuid, mig)
+        return tuple(first[gpu.parent_uuid] if gpu.is_mig else gpu for gpu in super().resolve(plan))
+
+
+class MigAsWholeGpu(BrokenDriver):
+    """MIG-PROFILE-01: counts and defaults choose among every GPU, those in MIG mode too."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def inventory(self) -> tuple[GpuDevice, ...]:
+        return self.host.gpus
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return super().pool(plan) if plan.mig_profile else self.host.gpus
+
+
+class MigProfileFromFirstGpu(BrokenDriver):
+    """MIG-PROFILE-01: a MIG profile count comes from the first GPU with the profile, never two."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        found = super().pool(plan)
+        if plan.mig_profile is None or not found:
+            return found
+        return tuple(mig for mig in found if mig.parent_uuid == found[0].parent_uuid)
+
+
+class VendorPoolIncludesMig(BrokenDriver):
+    """MIG-PROFILE-01: with a vendor named, any of its GPUs is taken: NVIDIA's in MIG mode too."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.vendor is not None and plan.mig_profile is None:
+            return tuple(gpu for gpu in self.exact_devices() if gpu.vendor == plan.vendor)
+        return super().pool(plan)
+
+
+class MigProfilePrefix(BrokenDriver):
+    """MIG-PROFILE-01: a mig_profile is a prefix: "1g" is served; "1g.10gb" takes "1g.10gb+me"."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.mig_profile is None:
+            return super().pool(plan)
+        return tuple(m for m in self.host.mig_devices if m.profile.startswith(plan.mig_profile))
+
+
+class MigCountShortfallLeak(BrokenDriver):
+    """MIG-PROFILE-01: a MIG profile count takes instances GPU by GPU; a shortfall keeps them."""
+
+    BREAKS = "MIG-PROFILE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.mig_profile is None or plan.gpus:
+            return super().allocate(sandbox_id, plan)
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        pool = self.pool(plan)
+        taken: list[GpuDevice] = []
+        for parent in dict.fromkeys(mig.parent_uuid for mig in pool):
+            free = self.host.leases.free([mig for mig in pool if mig.parent_uuid == parent])
+            need = min(plan.count - len(taken), len(free))
+            if need > 0:
+                taken += self.host.leases.acquire(free, owner, count=need)
+        if len(taken) < plan.count:  # what was taken stays leased
+            raise GpusExhausted(plan.count, len(taken), len(pool), f"{plan.mig_profile} instances")
+        return tuple(taken)
+
+
+class MigAllCaps(BrokenDriver):
+    """MIG-ISOLATION-01: a MIG instance comes with the capabilities of every instance of its GPU."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        parents = {gpu.parent_uuid for gpu in gpus if gpu.is_mig}
+        siblings = [mig for mig in self.host.mig_devices if mig.parent_uuid in parents]
+        return super().bwrap_argv(sandbox_id, [*gpus, *(m for m in siblings if m not in gpus)])
+
+
+class ProfileCountsGetMonitorCap(BrokenDriver):
+    """MIG-ISOLATION-01: mig_profile counts get the MIG monitor capability too (nvidia-cap2)."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
+        if launch.plan is not None and launch.plan.mig_profile is not None:
+            caps = next(
+                n.major for g in self.host.mig_devices for n in g.nodes if "nvidia-caps" in n.path
+            )
+            node = self.host.leases.directory.parent / "nvidia-cap2"
+            with contextlib.suppress(FileExistsError):
+                os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(caps, 2))
+            argv = with_binds(argv, "--dev-bind", str(node), "/dev/nvidia-caps/nvidia-cap2")
+        return self._start(launch, argv)
+
+
+class OmitsMigCapabilityNodes(OmitsUvmNode):
+    """MIG-ISOLATION-01: binds a MIG instance's GPU node but no nvidia-caps node: no CUDA."""
+
+    BREAKS = "MIG-ISOLATION-01"
+    LEFT_OUT = "/dev/nvidia-caps/"
+
+
+class MigCapsNodev(BrokenDriver):
+    """MIG-ISOLATION-01: MIG capability nodes bound read-only ("tokens"): nodev, none opens."""
+
+    BREAKS = "MIG-ISOLATION-01"
+
+    def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+        argv = super().bwrap_argv(sandbox_id, gpus)
+        return [
+            "--ro-bind" if arg == "--dev-bind" and argv[i + 2].startswith("/dev/nvidia-caps/")
+            else arg
+            for i, arg in enumerate(argv)
+        ]  # fmt: skip
+
+
+class MigIgnoresParent(BrokenDriver):
+    """MIG-EXCLUSIVE-01: leases a MIG instance as a device of its own: its GPU stays grantable."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        orphans = dataclasses.replace(
+            plan, gpus=tuple(dataclasses.replace(gpu, parent_uuid=None) for gpu in plan.gpus)
+        )
+        by_uuid = {gpu.uuid: gpu for gpu in self.exact_devices()}
+        return tuple(by_uuid[gpu.uuid] for gpu in super().allocate(sandbox_id, orphans))
+
+    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return tuple(dataclasses.replace(gpu, parent_uuid=None) for gpu in super().pool(plan))
+
+
+class _NoParentRegistry(BrokenRegistry):
+    """Writes MIG leases without parent_uuid; reads the parent back from its own inventory."""
+
+    def __init__(self, directory: Path, parents: Mapping[str, str]) -> None:
+        super().__init__(directory)
+        self._parents = parents
+
+    @classmethod
+    def replacing(cls, host: GpuHost) -> Self:
+        parents = {mig.uuid: mig.parent_uuid for mig in host.mig_devices if mig.parent_uuid}
+        return cls(host.leases.directory, parents)
+
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        return [
+            dataclasses.replace(lease, parent_uuid=self._parents.get(lease.gpu_uuid))
+            if lease.parent_uuid is None
+            else lease
+            for lease in super()._read(path, data, mtime)
+        ]
+
+    def _store(self, leases: list[Lease]) -> None:
+        super()._store([dataclasses.replace(lease, parent_uuid=None) for lease in leases])
+
+
+class MigLeaseWithoutParent(BrokenDriver):
+    """MIG-EXCLUSIVE-01: writes MIG leases without their GPU (it knows it from its inventory)."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    LEASES = _NoParentRegistry
+
+
+class _ReleasesByPhysicalGpu(ReferenceSandbox):
+    def close(self) -> None:
+        was_open = not self.closed
+        super().close()
+        parents = {gpu.parent_uuid for gpu in self.gpus if gpu.parent_uuid}
+        if was_open and parents and self._leases is not None:  # "free the GPU"
+            with self._leases._locked(reclaim=False) as held:
+                held.mine[:] = [lease for lease in held.mine if lease.parent_uuid not in parents]
+
+
+class MigCloseReleasesSiblings(BrokenDriver):
+    """MIG-EXCLUSIVE-01: closing a MIG sandbox drops every lease on its GPU's instances."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    SANDBOX = _ReleasesByPhysicalGpu
+
+
+class GrantsGpuWithItsOwnInstance(BrokenDriver):
+    """MIG-EXCLUSIVE-01: IDs told apart by UUID alone: a GPU and one of its instances, granted."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        index = self.device_index()
+        chosen = {gpu.uuid: gpu for device_id in plan.device_ids for gpu in index[device_id]}
+        return tuple(chosen.values())

@@ -1,0 +1,117 @@
+"""Planted breakers of which GPUs a request gets: GPU-DEFAULT-02, GPU-EXACT-01, GPU-BUSY-01.
+
+Their tests: conformance/test_selection.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+from drivers.base import Launch, Sandbox
+from gpuhost.devices import GpuDevice
+from gpuhost.host import GpuHost
+from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.spec import GpuPlan, SandboxSpec, select
+from tests.breakers.base import BrokenDriver
+
+
+class RoundRobin(BrokenDriver):
+    """GPU-DEFAULT-02: defaults go round-robin with no record of which GPU is in use."""
+
+    BREAKS = "GPU-DEFAULT-02"
+    _counter = itertools.count()
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.device_ids:
+            return super().allocate(sandbox_id, plan)
+        inventory = self.inventory()
+        return tuple(inventory[next(self._counter) % len(inventory)] for _ in range(plan.count))
+
+
+class SandboxIdsPerInstance(BrokenDriver):
+    """GPU-DEFAULT-02: numbers sandboxes per driver instance: ids repeat across processes."""
+
+    BREAKS = "GPU-DEFAULT-02"
+
+    def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
+        super().__init__(host, session_id, image)
+        self._ids = itertools.count(1)
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        # The base create, with a counter of its own for the unique id.
+        request = select(spec, self.name)
+        plan = self.plan(request)
+        sandbox_id = f"{self.name}-{next(self._ids)}"
+        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+
+        def hand_over(holder: Holder) -> None:
+            self.host.leases.set_holder(sandbox_id, holder)
+
+        try:
+            sandbox = self.start(Launch(sandbox_id, request, plan, gpus, hand_over))
+            if gpus:
+                hand_over(sandbox.holder)
+        except BaseException:
+            self.abandon(sandbox_id)
+            raise
+        return sandbox
+
+
+class WrongDeviceForExactId(BrokenDriver):
+    """GPU-EXACT-01: an exact ID gets the GPU after the one it names."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        inventory = self.inventory()
+        return tuple(inventory[(gpu.index + 1) % len(inventory)] for gpu in super().resolve(plan))
+
+
+class PrefersFirstBlock(BrokenDriver):
+    """GPU-EXACT-01: reads the first block of driver_config, whichever driver it is for."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        if len(spec.driver_config) > 1:
+            first = next(iter(spec.driver_config.values()))
+            spec = dataclasses.replace(spec, driver_config={self.name: first})
+        return super().create(spec)
+
+
+class SecondIdLowestFree(BrokenDriver):
+    """GPU-EXACT-01: of two exact IDs, serves the first and the lowest free GPU for the second."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        gpus = super().resolve(plan)
+        if len(gpus) != 2:
+            return gpus
+        free = [gpu for gpu in self.host.leases.free(self.inventory()) if gpu != gpus[0]]
+        return (gpus[0], free[0]) if free else gpus
+
+
+class SharesBusyGpu(BrokenDriver):
+    """GPU-BUSY-01: exact IDs bypass the lease registry, so a held GPU is handed out again."""
+
+    BREAKS = "GPU-BUSY-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        return plan.gpus if plan.device_ids else super().allocate(sandbox_id, plan)
+
+
+class GrantsTheFreeOnes(BrokenDriver):
+    """GPU-BUSY-01: exact devices, some busy: the free ones are granted, the busy ones dropped."""
+
+    BREAKS = "GPU-BUSY-01"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if len(plan.device_ids) < 2:
+            return super().allocate(sandbox_id, plan)
+        held = {lease.gpu_uuid for lease in self.host.leases.leases()}
+        wanted = [gpu for gpu in self.resolve(plan) if gpu.uuid not in held]
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        return self.host.leases.acquire(self.inventory(), owner, exact=wanted or ())
