@@ -29,7 +29,7 @@ from gpuhost import simulated
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
-from tests.test_planted import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
+from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
 
 PODMAN_CLI = ROOT / "examples" / "drivers" / "podman-cli.yaml"
 PODMAN_CLI_FAILS = {"GPU-RECLAIM-02", "GPU-SHARED-02"}

@@ -33,8 +33,8 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
+from tests.catalogue import ROOT, golden_ids, run_catalogue
 from tests.test_example_driver import gate_layout
-from tests.test_planted import ROOT, golden_ids, run_catalogue
 
 EXAMPLE = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 NAME = "jsonl-jail"

@@ -14,14 +14,7 @@ from tests.breakers.base import BrokenDriver
 from tests.breakers.exhaustion import WaitsForAFreeGpu
 from tests.breakers.lifecycle import ReapDoesNothing
 from tests.breakers.visibility import OmitsCtlNode, OmitsUvmNode
-
-# Those imported ``as`` themselves are re-exported for tests/test_external_driver.py.
-from tests.catalogue import DRI_LAYOUT as DRI_LAYOUT
-from tests.catalogue import MIG_LAYOUT as MIG_LAYOUT
-from tests.catalogue import ROOT as ROOT
-from tests.catalogue import assert_fails_its_requirement, planted_name
-from tests.catalogue import golden_ids as golden_ids
-from tests.catalogue import run_catalogue as run_catalogue
+from tests.catalogue import assert_fails_its_requirement, golden_ids, planted_name, run_catalogue
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:

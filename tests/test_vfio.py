@@ -7,7 +7,7 @@ it reads what is written to ``bind`` and ``unbind`` and moves the ``driver`` lin
 kernel would, refusing a bind that ``driver_override`` forbids. The binder under test only
 reads and writes files, as it does on a real /sys.
 
-``BindingNotRestored`` (tests/broken_vms.py), the planted binder that gives nothing back,
+``BindingNotRestored`` (tests/breakers/vms.py), the planted binder that gives nothing back,
 fails the checks of restoring after close and after a crash.
 
 The vm lane runs on such trees too, as on a real host (``VfioPassthrough``): its probe and
@@ -37,7 +37,7 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import Holder, LeaseRegistry
 from gpuhost.spec import SandboxSpec
 from gpuhost.vfio import VFIO_DRIVER, BusGpu, VfioBinder, VfioError, VfioRefused
-from tests.broken_vms import BindingNotRestored
+from tests.breakers.vms import BindingNotRestored
 
 GPU, AUDIO, OTHER_GPU, LONE = "0000:2a:00.0", "0000:2a:00.1", "0000:5d:00.0", "0000:9a:00.0"
 ORIGINAL = {GPU: "nvidia", AUDIO: "snd_hda_intel", OTHER_GPU: "nvidia", LONE: None}
