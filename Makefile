@@ -134,7 +134,7 @@ vm-lane:
 # Prints the matrix and one verdict per driver; writes the reports (README: Reports). A real
 # GPU (nvidia-smi lists one) is used as it is; otherwise the run makes a simulated host of
 # its own (--sim-gpus), registered with the container engines, and removes it at the end.
-conformance: venv host-packages vm-lane
+conformance: venv host-packages vm-lane gosandbox
 	@mkdir -p $(REPORTS)
 	@sim=""; nvidia-smi -L >/dev/null 2>&1 || \
 	  sim="--sim-gpus=$(SIM_GPUS) --sim-mig=$(SIM_MIG) --sim-dri=$(SIM_DRI)"; \
@@ -142,6 +142,18 @@ conformance: venv host-packages vm-lane
 	  --conformance-json=$(REPORTS)/conformance.json \
 	  --conformance-html=$(REPORTS)/conformance.html \
 	  --conformance-markdown=$(REPORTS)/conformance.md $(PYTEST_ARGS)
+
+# The Go driver of examples/drivers/gosandbox (standard library only: no module proxy is
+# asked), for tests/test_gosandbox.py and --driver=exec:examples/drivers/gosandbox/driver.yaml.
+# Where Go is missing, nothing is built and its lane is skipped, saying what it needed.
+GOSANDBOX := examples/drivers/gosandbox
+.PHONY: gosandbox
+gosandbox:
+	@if command -v go >/dev/null; then \
+	  cd $(GOSANDBOX) && GOFLAGS=-mod=mod GOPROXY=off go build -o gosandbox .; \
+	else \
+	  echo "gosandbox: not built: needed go on PATH (Debian: apt-get install golang-go)" >&2; \
+	fi
 
 lint: venv
 	$(BIN)/ruff check .
@@ -154,7 +166,7 @@ lint: venv
 # The engine self-tests need dockerd and podman: installed when missing, started when not
 # running, and those this target started are stopped at the end.
 # The engines and the cluster it starts, it stops again; those that were running stay.
-test: venv host-packages test-packages lint vm-image
+test: venv host-packages test-packages lint vm-image gosandbox
 	@$(ENGINES) install
 	@$(CLUSTER) install
 	@cluster_was_up=""; $(CLUSTER) status >/dev/null 2>&1 && cluster_was_up=1; \

@@ -1,0 +1,3 @@
+module gosandbox
+
+go 1.19

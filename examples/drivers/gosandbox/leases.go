@@ -1,0 +1,728 @@
+package main
+
+// A client of the host-wide lease protocol, version 4 (docs/lease-protocol.md): flock on
+// the registry's directory, this user's leases.<uid>.json rewritten in place, every user's
+// file read strictly, process holders judged from /proc, any other kind alive.
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"math/big"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+	"unicode/utf8"
+)
+
+const (
+	formatVersion = 4
+	maxFileBytes  = 16 << 20
+	lockTimeout   = 30 * time.Second
+	exclusive     = "exclusive"
+	shared        = "shared"
+)
+
+var (
+	fileName   = regexp.MustCompile(`^leases\.(0|[1-9][0-9]{0,9})\.json$`)
+	processRef = regexp.MustCompile(`^[^:]+:[0-9]+:[0-9]+$`)
+)
+
+type Holder struct {
+	Kind string `json:"kind"`
+	Ref  string `json:"ref"`
+}
+
+type Lease struct {
+	GPUUUID    string      `json:"gpu_uuid"`
+	Driver     string      `json:"driver"`
+	SandboxID  string      `json:"sandbox_id"`
+	SessionID  string      `json:"session_id"`
+	Holder     Holder      `json:"holder"`
+	Mode       string      `json:"mode"`
+	AcquiredAt json.Number `json:"acquired_at"`
+	ParentUUID string      `json:"parent_uuid,omitempty"`
+	ShareLimit int         `json:"share_limit,omitempty"`
+}
+
+func (l *Lease) Describe() string {
+	s := ""
+	if l.Mode == shared {
+		s = " (shared)"
+	}
+	return fmt.Sprintf("sandbox %s of the %s driver%s, held by %s %s", l.SandboxID, l.Driver, s,
+		l.Holder.Kind, l.Holder.Ref)
+}
+
+// Owner is who asks: stamped on every lease a grant makes.
+type Owner struct {
+	Driver, SandboxID, SessionID string
+	Holder                       Holder
+}
+
+// Refusal is a grant refused: busy (an exact device held) or exhausted.
+type Refusal struct {
+	Busy                        bool
+	Device, Holder              string
+	Requested, Available, Total int
+	Message                     string
+}
+
+func (r *Refusal) Error() string { return r.Message }
+
+// Registry is the lease registry of one host, in Dir.
+type Registry struct {
+	Dir string
+	uid int
+	mu  sync.Mutex // flock excludes other processes; this, our own goroutines
+}
+
+func NewRegistry(dir string) *Registry { return &Registry{Dir: dir, uid: os.Geteuid()} }
+
+func (r *Registry) mine() string { return fmt.Sprintf("leases.%d.json", r.uid) }
+
+// locked runs fn with the directory locked, this user's leases and every other user's;
+// fn returns this user's leases to write back (nil: unchanged).
+func (r *Registry) locked(fn func(mine, others []Lease) ([]Lease, error)) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	dirfd, err := r.openDir()
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(dirfd)
+	if err := r.flock(dirfd); err != nil {
+		return err
+	}
+	defer syscall.Flock(dirfd, syscall.LOCK_UN)
+	fd, err := r.openMine(dirfd)
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(fd)
+	mine, err := r.readFd(fd, r.Dir+"/"+r.mine())
+	if err != nil {
+		return err
+	}
+	others, err := r.readOthers(dirfd)
+	if err != nil {
+		return err
+	}
+	changed, err := fn(mine, others)
+	if err != nil || changed == nil {
+		return err
+	}
+	return r.store(fd, changed)
+}
+
+func (r *Registry) openDir() (int, error) {
+	if _, err := os.Lstat(r.Dir); os.IsNotExist(err) {
+		if err := os.MkdirAll(r.Dir, 0o755); err == nil {
+			os.Chmod(r.Dir, 0o1777|os.ModeSticky) // every user's sandboxes share the GPUs
+			syscall.Chmod(r.Dir, 0o1777)
+		}
+	}
+	fd, err := syscall.Open(r.Dir, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("the lease registry %s cannot be opened: %v", r.Dir, err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		syscall.Close(fd)
+		return -1, err
+	}
+	problem := ""
+	if st.Uid != 0 && int(st.Uid) != r.uid {
+		problem = fmt.Sprintf("belongs to uid %d", st.Uid)
+	} else if st.Mode&0o022 != 0 && st.Mode&syscall.S_ISVTX == 0 {
+		problem = fmt.Sprintf("is writable by others (mode %o) but not sticky", st.Mode&0o7777)
+	}
+	if problem != "" {
+		syscall.Close(fd)
+		return -1, fmt.Errorf("the lease registry %s %s: refusing to use it", r.Dir, problem)
+	}
+	return fd, nil
+}
+
+func (r *Registry) flock(fd int) error {
+	deadline := time.Now().Add(lockTimeout)
+	wait := time.Millisecond
+	for {
+		err := syscall.Flock(fd, syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return nil
+		}
+		if err != syscall.EWOULDBLOCK && err != syscall.EINTR {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the lease registry %s was locked for over %v", r.Dir, lockTimeout)
+		}
+		time.Sleep(wait)
+		if wait < 50*time.Millisecond {
+			wait *= 2
+		}
+	}
+}
+
+const openFlags = syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
+
+func (r *Registry) openMine(dirfd int) (int, error) {
+	name := r.mine()
+	open := func() (int, error) {
+		return syscall.Openat(dirfd, name, syscall.O_RDWR|syscall.O_CREAT|openFlags, 0o644)
+	}
+	fd, err := open()
+	if err == syscall.ELOOP {
+		return -1, fmt.Errorf("%s/%s is a symbolic link: refusing to open it; remove it", r.Dir, name)
+	}
+	if err != nil {
+		return -1, err
+	}
+	var st syscall.Stat_t
+	syscall.Fstat(fd, &st)
+	if st.Mode&syscall.S_IFMT == syscall.S_IFREG && int(st.Uid) != r.uid {
+		syscall.Close(fd) // another user made it under our name: theirs is no lease file
+		if err := syscall.Unlinkat(dirfd, name); err != nil {
+			return -1, fmt.Errorf("%s/%s was made by uid %d, not by its user %d: ask root to remove it",
+				r.Dir, name, st.Uid, r.uid)
+		}
+		if fd, err = open(); err != nil {
+			return -1, err
+		}
+		syscall.Fstat(fd, &st)
+	}
+	if int(st.Uid) == r.uid && st.Mode&0o022 != 0 {
+		syscall.Fchmod(fd, 0o644)
+		syscall.Fstat(fd, &st)
+	}
+	if err := checkFile(r.Dir+"/"+name, &st, r.uid); err != nil {
+		syscall.Close(fd)
+		return -1, err
+	}
+	return fd, nil
+}
+
+func checkFile(path string, st *syscall.Stat_t, owner int) error {
+	problem := ""
+	switch {
+	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
+		problem = "is not a plain file"
+	case owner >= 0 && int(st.Uid) != owner:
+		problem = fmt.Sprintf("belongs to uid %d, not %d", st.Uid, owner)
+	case owner >= 0 && st.Mode&0o022 != 0:
+		problem = fmt.Sprintf("is writable by others (mode %o)", st.Mode&0o7777)
+	case st.Size > maxFileBytes:
+		problem = fmt.Sprintf("holds %d bytes, over %d", st.Size, maxFileBytes)
+	}
+	if problem != "" {
+		return fmt.Errorf("the lease file %s %s: refusing to read it", path, problem)
+	}
+	return nil
+}
+
+func (r *Registry) readFd(fd int, path string) ([]Lease, error) {
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		return nil, err
+	}
+	data := make([]byte, st.Size)
+	n, err := syscall.Pread(fd, data, 0)
+	if err != nil {
+		return nil, err
+	}
+	return readLeases(path, data[:n], st.Mtim.Sec)
+}
+
+// readOthers: every other user's live-or-not leases, by the uid each file's name gives; a
+// file of versions 1 to 3 (leases.json) refuses every grant while it holds a lease.
+func (r *Registry) readOthers(dirfd int) ([]Lease, error) {
+	dir, err := os.Open(r.Dir)
+	if err != nil {
+		return nil, err
+	}
+	names, err := dir.Readdirnames(-1)
+	dir.Close()
+	if err != nil {
+		return nil, err
+	}
+	var found []Lease
+	for _, name := range names {
+		owner := -1
+		if m := fileName.FindStringSubmatch(name); m != nil {
+			owner, _ = strconv.Atoi(m[1])
+			if owner == r.uid {
+				continue
+			}
+		} else if name != "leases.json" {
+			continue
+		}
+		path := r.Dir + "/" + name
+		fd, err := syscall.Openat(dirfd, name, syscall.O_RDONLY|openFlags, 0)
+		if err == syscall.ENOENT {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("the lease file %s cannot be opened: %v", path, err)
+		}
+		var st syscall.Stat_t
+		syscall.Fstat(fd, &st)
+		if st.Mode&syscall.S_IFMT == syscall.S_IFREG && owner >= 0 && int(st.Uid) != owner {
+			syscall.Close(fd) // forged under another user's name: none of it was granted
+			continue
+		}
+		if err := checkFile(path, &st, owner); err != nil {
+			syscall.Close(fd)
+			return nil, err
+		}
+		leases, err := r.readFd(fd, path)
+		syscall.Close(fd)
+		if err != nil {
+			return nil, err
+		}
+		if owner < 0 && len(leases) > 0 {
+			return nil, fmt.Errorf("%s holds leases of a client of protocol version 3 or older, "+
+				"which cannot share a host with this one: stop it, then delete the file", path)
+		}
+		found = append(found, leases...)
+	}
+	return found, nil
+}
+
+// readLeases: the leases of this boot in a file, read by the schema and nothing looser.
+func readLeases(path string, data []byte, mtime int64) ([]Lease, error) {
+	if len(data) == 0 {
+		return nil, nil
+	}
+	leases, boot, newer, err := parseFile(data)
+	if err != nil {
+		if float64(mtime) < bootTime() && !newer {
+			return nil, nil // cut short before this boot: nothing of it lives
+		}
+		return nil, fmt.Errorf("the GPU lease file %s cannot be read (%v); no GPU can be granted "+
+			"safely until it is fixed: stop every sandbox of its user on this host, then delete it", path, err)
+	}
+	if boot != "" && boot != bootID() {
+		return nil, nil // every lease of an earlier boot is dead
+	}
+	return leases, nil
+}
+
+func parseFile(data []byte) (leases []Lease, boot string, newer bool, err error) {
+	if !utf8.Valid(data) {
+		return nil, "", false, errors.New("not UTF-8")
+	}
+	value, err := decodeFirst(data)
+	if err != nil {
+		return nil, "", false, err
+	}
+	doc, ok := value.(*Obj)
+	if !ok {
+		return nil, "", false, errors.New("not an object")
+	}
+	if err := onlyKeys("", doc, "version", "boot_id", "leases"); err != nil {
+		return nil, "", false, err
+	}
+	version, ok := integral(doc.M["version"])
+	if ok && version.Cmp(bigInt(formatVersion)) > 0 {
+		return nil, "", true, fmt.Errorf("version: version %s, written by a newer client; this one "+
+			"reads versions 1 to %d: upgrade it", version, formatVersion)
+	}
+	if !ok || version.Cmp(bigInt(1)) < 0 {
+		return nil, "", false, fmt.Errorf("version: %s is not one of (1, 2, 3, 4)", shown(doc.M["version"]))
+	}
+	if b, present := doc.M["boot_id"]; present || version.Int64() >= 2 {
+		s, ok := b.(string)
+		if !ok || s == "" {
+			return nil, "", false, fmt.Errorf("boot_id: %s is not a non-empty string", shown(b))
+		}
+		boot = s
+	}
+	list, ok := doc.M["leases"].([]any)
+	if !ok {
+		return nil, "", false, errors.New("leases: not an array")
+	}
+	for i, item := range list {
+		lease, err := parseLease(item)
+		if err != nil {
+			return nil, "", false, fmt.Errorf("leases[%d]%s", i, err)
+		}
+		leases = append(leases, lease)
+	}
+	return leases, boot, false, nil
+}
+
+func parseLease(item any) (Lease, error) {
+	var l Lease
+	o, ok := item.(*Obj)
+	if !ok {
+		return l, errors.New(": not an object")
+	}
+	if err := onlyKeys("", o, "gpu_uuid", "driver", "sandbox_id", "session_id", "holder", "mode",
+		"acquired_at", "parent_uuid", "share_limit"); err != nil {
+		return l, err
+	}
+	str := func(key string, empty bool) (string, error) {
+		s, ok := o.M[key].(string)
+		if !ok || (!empty && s == "") {
+			return "", fmt.Errorf(".%s: %s is not a string (non-empty)", key, shown(o.M[key]))
+		}
+		return s, nil
+	}
+	for _, key := range []string{"gpu_uuid", "driver", "sandbox_id", "session_id", "holder", "mode", "acquired_at"} {
+		if _, ok := o.M[key]; !ok {
+			return l, fmt.Errorf(": no '%s'", key)
+		}
+	}
+	var err error
+	if l.GPUUUID, err = str("gpu_uuid", false); err != nil {
+		return l, err
+	}
+	if l.Driver, err = str("driver", false); err != nil {
+		return l, err
+	}
+	if l.SandboxID, err = str("sandbox_id", false); err != nil {
+		return l, err
+	}
+	if l.SessionID, err = str("session_id", true); err != nil {
+		return l, err
+	}
+	if _, ok := o.M["parent_uuid"]; ok {
+		if l.ParentUUID, err = str("parent_uuid", false); err != nil {
+			return l, err
+		}
+	}
+	h, ok := o.M["holder"].(*Obj)
+	if !ok {
+		return l, errors.New(".holder: not an object")
+	}
+	if err := onlyKeys(".holder", h, "kind", "ref"); err != nil {
+		return l, err
+	}
+	kind, _ := h.M["kind"].(string)
+	ref, _ := h.M["ref"].(string)
+	if kind == "" || ref == "" || (kind == "process" && !processRef.MatchString(ref)) {
+		return l, fmt.Errorf(".holder: %s is not a holder", shown(h))
+	}
+	l.Holder = Holder{kind, ref}
+	if l.Mode, _ = o.M["mode"].(string); l.Mode != exclusive && l.Mode != shared {
+		return l, fmt.Errorf(".mode: %s is not one of ('exclusive', 'shared')", shown(o.M["mode"]))
+	}
+	at, ok := o.M["acquired_at"].(json.Number)
+	if f, err := strconv.ParseFloat(string(at), 64); !ok || err != nil || math.IsInf(f, 0) {
+		return l, fmt.Errorf(".acquired_at: %s is not a number", shown(o.M["acquired_at"]))
+	}
+	l.AcquiredAt = at
+	if v, present := o.M["share_limit"]; present {
+		n, ok := integral(v)
+		if !ok || n.Cmp(bigInt(1)) < 0 || !n.IsInt64() || n.Int64() > math.MaxInt32 {
+			return l, fmt.Errorf(".share_limit: %s is not an integer of 1 or more", shown(v))
+		}
+		l.ShareLimit = int(n.Int64())
+	}
+	return l, nil
+}
+
+func onlyKeys(where string, o *Obj, allowed ...string) error {
+	if key, found := o.unknownKey(allowed); found {
+		return fmt.Errorf("%s: unknown key %s", where, shown(key))
+	}
+	return nil
+}
+
+func (r *Registry) store(fd int, leases []Lease) error {
+	if leases == nil {
+		leases = []Lease{}
+	}
+	data, err := json.Marshal(map[string]any{"version": formatVersion, "boot_id": bootID(), "leases": leases})
+	if err != nil {
+		return err
+	}
+	for written := 0; written < len(data); {
+		n, err := syscall.Pwrite(fd, data[written:], int64(written))
+		if err != nil {
+			return err
+		}
+		written += n
+	}
+	return syscall.Ftruncate(fd, int64(len(data)))
+}
+
+// Acquire grants exact devices, or count of inventory, atomically. The leases as they stand
+// are tried first; only a refusal drops the leases of dead process holders and tries again
+// (holders of other kinds cannot be judged here: they live).
+func (r *Registry) Acquire(inventory []*Device, owner Owner, count int, exact []*Device, mode string, limit int) ([]*Device, error) {
+	var granted []*Device
+	var refused error
+	try := func(mine, others []Lease, reclaim bool) ([]Lease, error) {
+		live := mine
+		if reclaim {
+			live, others = liveOnly(mine), liveOnly(others)
+		}
+		g, err := grant(append(append([]Lease{}, live...), others...), inventory, count, exact, mode, limit)
+		if err != nil {
+			refused = err
+			if len(live) != len(mine) {
+				return live, nil // the dead dropped from our file all the same
+			}
+			return nil, nil
+		}
+		granted = g
+		return append(live, newLeases(g, owner, mode, limit)...), nil
+	}
+	if err := r.locked(func(m, o []Lease) ([]Lease, error) { return try(m, o, false) }); err != nil {
+		return nil, err
+	}
+	if granted != nil {
+		return granted, nil
+	}
+	if err := r.locked(func(m, o []Lease) ([]Lease, error) { return try(m, o, true) }); err != nil {
+		return nil, err
+	}
+	if granted != nil {
+		return granted, nil
+	}
+	return nil, refused
+}
+
+func liveOnly(leases []Lease) []Lease {
+	var out []Lease
+	judged := map[Holder]bool{}
+	for _, l := range leases {
+		alive, ok := judged[l.Holder]
+		if !ok {
+			alive = holderAlive(l.Holder)
+			judged[l.Holder] = alive
+		}
+		if alive {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func newLeases(granted []*Device, owner Owner, mode string, limit int) []Lease {
+	now := strconv.FormatFloat(float64(time.Now().UnixNano())/1e9, 'f', -1, 64)
+	var out []Lease
+	for _, d := range granted {
+		l := Lease{GPUUUID: d.UUID, Driver: owner.Driver, SandboxID: owner.SandboxID,
+			SessionID: owner.SessionID, Holder: owner.Holder, Mode: mode,
+			AcquiredAt: json.Number(now), ParentUUID: d.ParentUUID}
+		if mode == shared {
+			l.ShareLimit = limit
+		}
+		out = append(out, l)
+	}
+	return out
+}
+
+// SetHolder hands a sandbox's leases to what now embodies it.
+func (r *Registry) SetHolder(sandboxID string, h Holder) error {
+	return r.locked(func(mine, _ []Lease) ([]Lease, error) {
+		out := append([]Lease{}, mine...)
+		for i := range out {
+			if out[i].SandboxID == sandboxID {
+				out[i].Holder = h
+			}
+		}
+		return out, nil
+	})
+}
+
+// Release drops this user's leases of a sandbox, or of a session and driver (sandbox "").
+func (r *Registry) Release(sandboxID, sessionID, driver string) ([]Lease, error) {
+	var gone []Lease
+	err := r.locked(func(mine, _ []Lease) ([]Lease, error) {
+		kept := []Lease{}
+		for _, l := range mine {
+			if (sandboxID != "" && l.SandboxID == sandboxID) ||
+				(sandboxID == "" && l.SessionID == sessionID && l.Driver == driver) {
+				gone = append(gone, l)
+			} else {
+				kept = append(kept, l)
+			}
+		}
+		if len(gone) == 0 {
+			return nil, nil
+		}
+		return kept, nil
+	})
+	return gone, err
+}
+
+// -- the grant policy (gpuhost/grants.py) --------------------------------------------------
+
+func related(d *Device, leases []Lease) []Lease {
+	var out []Lease
+	for _, l := range leases {
+		if l.GPUUUID == d.UUID || l.ParentUUID == d.UUID || (d.ParentUUID != "" && l.GPUUUID == d.ParentUUID) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func blocked(d *Device, mode string, leases []Lease, limit int) string {
+	rel := related(d, leases)
+	if len(rel) == 0 {
+		return ""
+	}
+	allShared := true
+	for _, l := range rel {
+		allShared = allShared && l.Mode == shared && l.GPUUUID == d.UUID
+	}
+	if mode == shared && allShared {
+		least := limit
+		for _, l := range rel {
+			if l.ShareLimit > 0 && l.ShareLimit < least {
+				least = l.ShareLimit
+			}
+		}
+		if len(rel) < least {
+			return ""
+		}
+		return fmt.Sprintf("shared by %d sandboxes, its limit: %s", len(rel), rel[0].Describe())
+	}
+	how, through := "held exclusively", ""
+	if rel[0].Mode == shared {
+		how = "shared"
+	}
+	if rel[0].GPUUUID != d.UUID {
+		through = " through " + rel[0].GPUUUID
+	}
+	return fmt.Sprintf("%s%s by %s", how, through, rel[0].Describe())
+}
+
+func grant(leases []Lease, inventory []*Device, count int, exact []*Device, mode string, limit int) ([]*Device, error) {
+	if len(exact) > 0 {
+		for _, d := range exact {
+			if reason := blocked(d, mode, leases, limit); reason != "" {
+				return nil, &Refusal{Busy: true, Device: d.Describe(), Holder: reason,
+					Message: fmt.Sprintf("GPU %s is already assigned to another sandbox (%s)", d.Describe(), reason)}
+			}
+		}
+		return exact, nil
+	}
+	var open, sharedFirst []*Device
+	for _, d := range inventory {
+		if blocked(d, mode, leases, limit) == "" {
+			if mode == shared && len(related(d, leases)) > 0 {
+				sharedFirst = append(sharedFirst, d)
+			} else {
+				open = append(open, d)
+			}
+		}
+	}
+	open = append(sharedFirst, open...)
+	if len(open) < count {
+		held, sharedOnly := 0, 0
+		for _, d := range inventory {
+			rel := related(d, leases)
+			if len(rel) == 0 {
+				continue
+			}
+			held++
+			all := true
+			for _, l := range rel {
+				all = all && l.Mode == shared
+			}
+			if all {
+				sharedOnly++
+			}
+		}
+		why := fmt.Sprintf("%s; %d held exclusively, %d shared", mode, held-sharedOnly, sharedOnly)
+		if mode == shared {
+			why += fmt.Sprintf(" (at most %d sandboxes each)", limit)
+		}
+		return nil, &Refusal{Requested: count, Available: len(open), Total: len(inventory),
+			Message: fmt.Sprintf("GPU sandbox requested %d GPUs, but only %d selectable of %d devices "+
+				"are available (%s)", count, len(open), len(inventory), why)}
+	}
+	return open[:count], nil
+}
+
+// -- liveness (gpuhost/liveness.py) --------------------------------------------------------
+
+var (
+	bootOnce sync.Once
+	bootIDv  string
+	bootTm   float64
+)
+
+func bootInfo() {
+	bootOnce.Do(func() {
+		b, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
+		bootIDv = strings.TrimSpace(string(b))
+		stat, _ := os.ReadFile("/proc/stat")
+		for _, line := range strings.Split(string(stat), "\n") {
+			if strings.HasPrefix(line, "btime ") {
+				bootTm, _ = strconv.ParseFloat(strings.TrimSpace(line[6:]), 64)
+			}
+		}
+	})
+}
+
+func bootID() string          { bootInfo(); return bootIDv }
+func bootTime() float64       { bootInfo(); return bootTm }
+func bigInt(n int64) *big.Int { return big.NewInt(n) }
+
+// statFields: /proc/<pid>/stat after the command's last ')': state is [0], start time [19].
+func statFields(pid int) ([]string, error) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, err
+	}
+	s := string(raw)
+	i := strings.LastIndex(s, ")")
+	if i < 0 || i+2 > len(s) {
+		return nil, errors.New("unreadable stat")
+	}
+	f := strings.Fields(s[i+2:])
+	if len(f) < 20 {
+		return nil, errors.New("short stat")
+	}
+	return f, nil
+}
+
+func processHolder(pid int) (Holder, error) {
+	f, err := statFields(pid)
+	if err != nil {
+		return Holder{}, err
+	}
+	return Holder{"process", fmt.Sprintf("%s:%d:%s", bootID(), pid, f[19])}, nil
+}
+
+// processRunning: the process pid that started at start still runs (a zombie does not);
+// one hidden from us counts as running.
+func processRunning(pid int, start string) bool {
+	f, err := statFields(pid)
+	if err != nil {
+		if !os.IsNotExist(err) && !errors.Is(err, syscall.ESRCH) {
+			return true
+		}
+		err := syscall.Kill(pid, 0)
+		return err == syscall.EPERM
+	}
+	return f[19] == start && f[0] != "Z" && f[0] != "X"
+}
+
+// holderAlive: a process holder by /proc; any other kind cannot be judged here: alive.
+func holderAlive(h Holder) bool {
+	if h.Kind != "process" {
+		return true
+	}
+	parts := strings.Split(h.Ref, ":")
+	if len(parts) != 3 {
+		return true
+	}
+	pid, err := strconv.Atoi(parts[1])
+	if err != nil {
+		return true
+	}
+	return parts[0] == bootID() && processRunning(pid, parts[2])
+}
