@@ -1,94 +1,209 @@
-"""Every create the catalogue makes is bounded: a driver that never returns fails by name.
+"""Every create, exec and close the catalogue makes is bounded: a driver that hangs fails by name.
 
-A driver that waits for a GPU to free instead of refusing a request it cannot grant would
-otherwise hold each test until the per-test bound (900 s), with no requirement named, and a
-run of the catalogue would take hours. The bound follows the driver's own pace: a few times
-the slowest create of its lane so far, plus the grace it declares for a refusal
-(``Driver.exhaustion_grace_s``), times the creates in flight at once (side by side, they
-share the host). A create past it fails the test, saying what it waited for; if it returns
-later, what it made is closed at once, so that nothing it took is held behind the run's back.
+A driver that waits for a GPU to free instead of refusing a request it cannot grant, an exec
+that outlives its own timeout, a close that never returns: each would otherwise hold its test
+until the per-test bound (900 s), with no requirement named, and a run of the catalogue would
+take hours. The bound follows the driver's own pace, one per operation: a few times the
+slowest such call of its lane so far (each call's time divided by the calls in flight
+beside it: side by side, they share the host), times the calls in flight now, plus the grace
+the driver declares (``Driver.exhaustion_grace_s``) and a margin; an exec's bound adds the
+command's own timeout. A call past its bound
+fails the test, saying what it waited for; if a create returns later, what it made is closed
+at once, so that nothing it took is held behind the run's back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pytest
 
-from drivers.base import Driver, Sandbox
-from gpuhost.spec import SandboxSpec
-
-FIRST_CREATE_BOUND_S = 300.0
-"""Before any create of a lane returned: a VM's first boot may build its template."""
+FIRST_CALL_BOUND_S = 300.0
+"""Before any call of a kind returned: a VM's first boot may build its template."""
 SLOWEST_FACTOR = 3.0
 SLACK_S = 5.0
-"""For a loaded CI machine: a bound is never less than this over the slowest create."""
+"""For a loaded CI machine: a bound is never less than this over the slowest call."""
+
+Result = TypeVar("Result")
+
+_ALLOWANCE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "unpaced_allowance", default=None
+)
 
 
-class CreateBound:
-    """The pace of one driver's creates in this run, and the bound it gives the next one."""
+@contextlib.contextmanager
+def unpaced(allowance_s: float = 0.0) -> Iterator[None]:
+    """Creates whose time is not the driver's pace, in this thread meanwhile.
 
-    def __init__(self, grace_s: float) -> None:
+    Those that may rightly wait for GPUs coming back (after a kill, a dead creator or a last
+    sharer: ``allowance_s``, the reclaim timeout), and those the test expects refused: a
+    driver that grants one late, once the test gave up on it, did not show its pace. Each is
+    bounded by the pace and ``allowance_s`` more.
+    """
+    token = _ALLOWANCE.set(allowance_s)
+    try:
+        yield
+    finally:
+        _ALLOWANCE.reset(token)
+
+
+def unpaced_allowance() -> float | None:
+    """``unpaced``'s ``allowance_s`` where one is in force, else None."""
+    return _ALLOWANCE.get()
+
+
+class Pace:
+    """The pace of one driver's calls of one kind in this run, and the bound of the next."""
+
+    def __init__(
+        self, driver: str, operation: str, grace_s: float, first_from: Pace | None = None
+    ) -> None:
+        self.driver = driver
+        self.operation = operation
         self.grace_s = grace_s
+        self.first_from = first_from
+        """Whose pace bounds a first call of this kind: an exec's or a close's, the creates'."""
         self.slowest_s: float | None = None
+        """The slowest call so far, its time divided by the calls in flight beside it."""
         self.in_flight = 0
+        self.entered = 0
+        """Calls begun so far: those begun during a call were beside it."""
+        self.abandoned = 0
+        """Calls given up on that have not returned yet: while one is pending, a call's time
+        is not the driver's pace (it may have waited on what the abandoned call took)."""
         self._lock = threading.Lock()
 
-    def bound_s(self) -> float:
+    def bound_s(self, own_timeout_s: float = 0.0) -> float:
         with self._lock:
-            if self.slowest_s is None:
-                return FIRST_CREATE_BOUND_S
-            each = SLOWEST_FACTOR * self.slowest_s + self.grace_s + SLACK_S
-            return each * max(1, self.in_flight)
+            slowest, in_flight = self.slowest_s, max(1, self.in_flight)
+        if slowest is None and self.first_from is not None:
+            slowest = self.first_from.slowest_s
+        if slowest is None:
+            return own_timeout_s + FIRST_CALL_BOUND_S
+        return own_timeout_s + SLOWEST_FACTOR * slowest * in_flight + self.grace_s + SLACK_S
 
-    def call(self, create: Callable[[Driver, SandboxSpec], Sandbox], driver: Driver,
-             spec: SandboxSpec) -> Sandbox:  # fmt: skip
-        """``create(driver, spec)``, failing the test once it runs past the bound."""
+    def call(
+        self,
+        what: str,
+        call: Callable[[], Result],
+        *,
+        own_timeout_s: float = 0.0,
+        if_late: Callable[[Result], object] | None = None,
+        expected: str = "",
+        paced: bool = True,
+    ) -> Result:
+        """``call()``, failing the test once it runs past the bound.
+
+        ``what`` names the call in the failure; ``if_late`` is given the result of a call
+        that returns after the test gave up on it; ``expected`` says what the driver should
+        have done instead. A call that is not ``paced`` is bounded, but its time does not
+        count in the pace.
+        """
         __tracebackhide__ = True
-        outcome: Future[Sandbox] = Future()
-        abandoned = threading.Event()
+        outcome: Future[Result] = Future()
+        abandoned, returned = threading.Event(), threading.Event()
 
         def run() -> None:
             try:
-                sandbox = create(driver, spec)
+                result = call()
             except BaseException as exc:
+                with self._lock:
+                    late = self._settle(abandoned, returned)
                 outcome.set_exception(exc)
                 return
-            if abandoned.is_set():  # the test gave up on it: keep nothing it took
-                sandbox.close()
-            outcome.set_result(sandbox)
+            with self._lock:
+                late = self._settle(abandoned, returned)
+            if late and if_late is not None:
+                if_late(result)
+            outcome.set_result(result)
 
         with self._lock:
             self.in_flight += 1
+            self.entered += 1
+            clean = paced and self.abandoned == 0
+            beside, entered = self.in_flight, self.entered
         start = time.monotonic()
         try:
-            threading.Thread(target=run, daemon=True, name="bounded-create").start()
-            bound = self.bound_s()
-            # The bound grows while other creates join: wait for it as it is now.
+            threading.Thread(target=run, daemon=True, name=f"bounded-{self.operation}").start()
+            bound = self.bound_s(own_timeout_s)
+            # The bound grows while other calls join: wait for it as it is now.
             while not outcome.done():
                 waited = time.monotonic() - start
-                if waited >= bound:
-                    abandoned.set()
-                    pytest.fail(
-                        f"the {driver.name} driver's create of {spec.to_dict()} did not return "
-                        f"within {bound:.1f} s ({SLOWEST_FACTOR:g} x its slowest create of "
-                        f"this run, {self.slowest_s or 0:.1f} s, plus its grace of "
-                        f"{self.grace_s:g} s and {SLACK_S:g} s, per create in flight): a "
-                        "request it cannot grant must be refused, not waited on",
-                        pytrace=False,
-                    )
+                with self._lock:
+                    give_up = waited >= bound and not returned.is_set()
+                    if give_up:
+                        self.abandoned += 1
+                        abandoned.set()
+                if give_up:
+                    pytest.fail(self.late(what, bound, own_timeout_s, expected), pytrace=False)
                 try:
                     outcome.exception(timeout=min(bound - waited, 1.0))
                 except TimeoutError:
-                    bound = max(bound, self.bound_s())
-            sandbox = outcome.result()
+                    bound = max(bound, self.bound_s(own_timeout_s))
+            result = outcome.result()
         finally:
             with self._lock:
                 self.in_flight -= 1
         took = time.monotonic() - start
         with self._lock:
-            self.slowest_s = max(self.slowest_s or 0.0, took)
-        return sandbox
+            if clean and self.abandoned == 0:
+                beside += self.entered - entered  # those begun while it ran
+                self.slowest_s = max(self.slowest_s or 0.0, took / beside)
+        return result
+
+    def started(self) -> None:
+        """A call of this kind runs elsewhere (another process) from now: it shares the host."""
+        with self._lock:
+            self.in_flight += 1
+            self.entered += 1
+
+    def finished(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def _settle(self, abandoned: threading.Event, returned: threading.Event) -> bool:
+        """Under the lock: a call has returned; whether the test had given up on it."""
+        returned.set()
+        if abandoned.is_set():
+            self.abandoned -= 1
+            return True
+        return False
+
+    def late(self, what: str, bound: float, own_timeout_s: float, expected: str) -> str:
+        paced = self if self.slowest_s is not None or self.first_from is None else self.first_from
+        if paced.slowest_s is None:
+            how = f"the bound of a first {self.operation}, {FIRST_CALL_BOUND_S:g} s"
+        else:
+            how = (
+                f"{SLOWEST_FACTOR:g} x its slowest {paced.operation} of this run, "
+                f"{paced.slowest_s:.1f} s, per {self.operation} in flight, plus its grace of "
+                f"{self.grace_s:g} s and {SLACK_S:g} s"
+            )
+        if own_timeout_s:
+            how = f"the command's own timeout of {own_timeout_s:g} s, plus {how}"
+        return f"the {self.driver} driver's {what} did not return within {bound:.1f} s ({how})" + (
+            f": {expected}" if expected else ""
+        )
+
+
+@dataclass
+class DriverPace:
+    """One driver's pace in this run: its creates, its execs and its closes, each apart."""
+
+    driver: str
+    grace_s: float
+    create: Pace = field(init=False)
+    exec: Pace = field(init=False)
+    close: Pace = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.create = Pace(self.driver, "create", self.grace_s)
+        self.exec = Pace(self.driver, "exec", self.grace_s, first_from=self.create)
+        self.close = Pace(self.driver, "close", self.grace_s, first_from=self.create)

@@ -13,7 +13,7 @@ import fcntl
 import io
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -21,9 +21,9 @@ from typing import Any, NoReturn, TextIO
 import pytest
 
 from conformance import requirements
-from conformance.bounds import CreateBound
+from conformance.bounds import DriverPace, unpaced_allowance
 from conformance.settings import Settings, settings_key
-from drivers.base import Driver, Sandbox
+from drivers.base import Driver, Output, Sandbox
 from gpuhost.host import GpuHost
 from gpuhost.leases import Lease, lock_holders
 from gpuhost.spec import SandboxSpec
@@ -134,8 +134,8 @@ def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[No
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
     before = {lease.sandbox_id for lease in driver.host.leases.leases()}
     grace = exhaustion_grace(driver, settings)
-    bound = settings.create_bounds.setdefault(driver.name, CreateBound(grace))
-    with _every_sandbox_created(type(driver), bound) as made:
+    pace = settings.paces.setdefault(driver.name, DriverPace(driver.name, grace))
+    with _every_sandbox_created(type(driver), pace) as made:
         yield
     try:
         _close(made)
@@ -152,21 +152,47 @@ def exhaustion_grace(driver: Driver, settings: Settings) -> float:
 
 
 @contextlib.contextmanager
-def _every_sandbox_created(cls: type[Driver], bound: CreateBound) -> Iterator[list[Sandbox]]:
+def _every_sandbox_created(cls: type[Driver], pace: DriverPace) -> Iterator[list[Sandbox]]:
     """The sandboxes that drivers of ``cls`` create in this process meanwhile, any session.
 
-    Each create within ``bound``: one that runs past it fails the test that made it.
+    Each create, and each exec and close of what they made, within the driver's pace: one
+    that runs past it fails the test that made it.
     """
     made: list[Sandbox] = []
-    create = cls.create
+    create, run, close = cls.create, Sandbox._exec, Sandbox.close
 
     def recorded(self: Driver, spec: SandboxSpec) -> Sandbox:
-        sandbox = bound.call(create, self, spec)
+        allowance = unpaced_allowance()
+        sandbox = pace.create.call(
+            f"create of {spec.to_dict()}",
+            lambda: create(self, spec),
+            own_timeout_s=allowance or 0.0,
+            if_late=Sandbox.close,
+            expected="a request it cannot grant must be refused, not waited on",
+            paced=allowance is None,
+        )
         made.append(sandbox)
         return sandbox
 
+    def bounded_exec(self: Sandbox, argv: Sequence[str], timeout: float, output: Output) -> int:
+        if self not in made:
+            return run(self, argv, timeout, output)
+        return pace.exec.call(
+            f"exec of {list(argv)!r} in sandbox {self.id}",
+            lambda: run(self, argv, timeout, output),
+            own_timeout_s=timeout,
+            expected="a command past its timeout must be killed and the exec return",
+        )
+
+    def bounded_close(self: Sandbox) -> None:
+        if self not in made:
+            return close(self)
+        return pace.close.call(f"close of sandbox {self.id}", lambda: close(self))
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cls, "create", recorded)
+        patch.setattr(Sandbox, "_exec", bounded_exec)
+        patch.setattr(Sandbox, "close", bounded_close)
         yield made
 
 

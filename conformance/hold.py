@@ -19,12 +19,17 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import pytest
+
+from conformance.bounds import Pace
 from conformance.observe import describe_gpus, visible_gpu_uuids
+from conformance.settings import Settings
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
@@ -53,24 +58,28 @@ register_liveness(RUN_HOLDER, run_alive)
 class HeldSandbox:
     """The parent's side of ``python -m conformance.hold``: one sandbox in another process."""
 
-    def __init__(self, process: subprocess.Popen[str]) -> None:
+    def __init__(self, process: subprocess.Popen[str], what: str, pace: Pace | None) -> None:
         self.process = process
         self._ready = False
+        self._what = what
+        self._pace = pace
+        self._went: float | None = None
 
     @classmethod
     def start(
-        cls, driver: Driver, host: HostConfig, spec: SandboxSpec, die_at_hand_over: bool = False
+        cls, driver: Driver, settings: Settings, spec: SandboxSpec, die_at_hand_over: bool = False
     ) -> HeldSandbox:
         """Start a holder process; it creates its sandbox once told to ``go``.
 
-        With ``die_at_hand_over`` it SIGKILLs itself once it has handed its leases to the
+        Its create is bounded by the pace of the driver's creates in this run, where there is
+        one. With ``die_at_hand_over`` it SIGKILLs itself once it has handed its leases to the
         sandbox in the making: a creator that dies between creating a sandbox and starting
         it, where the driver hands over first (a container driver does).
         """
         argv = [
             sys.executable, "-m", "conformance.hold",
             f"--driver={_name(driver)}", f"--session={driver.session_id}",
-            f"--spec={json.dumps(spec.to_dict())}", *host.as_args(),
+            f"--spec={json.dumps(spec.to_dict())}", *settings.host_config.as_args(),
         ]  # fmt: skip
         if driver.image:
             argv.append(f"--image={driver.image}")
@@ -79,7 +88,9 @@ class HeldSandbox:
         process = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
         )
-        return cls(process)
+        pace = settings.paces.get(driver.name)
+        what = f"create of {spec.to_dict()} in holder process {process.pid}"
+        return cls(process, what, pace.create if pace is not None else None)
 
     def wait_ready(self) -> None:
         """Return once the holder is ready to create at once (told ``go``)."""
@@ -93,15 +104,45 @@ class HeldSandbox:
         assert self.process.stdin is not None
         self.process.stdin.write("go\n")
         self.process.stdin.flush()
+        if self._pace is not None:
+            self._pace.started()
+            self._went = time.monotonic()
 
     def result(self) -> dict[str, Any]:
-        """The holder's reply: ``ok`` with its sandbox and GPUs, or the error it got."""
-        return self._read()
+        """The holder's reply: ``ok`` with its sandbox and GPUs, or the error it got.
+
+        Within the pace's bound of a create, counted from ``go``: past it the holder is
+        killed and the test fails, naming what it waited for.
+        """
+        __tracebackhide__ = True
+        if self._pace is None or self._went is None:
+            return self._read()
+        pace, went = self._pace, self._went
+        try:
+            while True:
+                bound = pace.bound_s()
+                left = went + bound - time.monotonic()
+                if left <= 0:
+                    self.kill()
+                    pytest.fail(
+                        pace.late(self._what, bound, 0.0, "a request it cannot grant must be "
+                                  "refused, not waited on"),
+                        pytrace=False,
+                    )  # fmt: skip
+                if self._replied(min(left, 1.0)):
+                    return self._read()
+        finally:
+            self._went = None
+            pace.finished()
+
+    def _replied(self, timeout_s: float) -> bool:
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        return bool(ready)
 
     def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], REPLY_TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else ""
+        line = self.process.stdout.readline() if self._replied(REPLY_TIMEOUT_S) else ""
         if not line:
             self.kill()
             raise RuntimeError(

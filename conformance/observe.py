@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from conformance.bounds import unpaced
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import DRM_MAJORS, NVIDIA_GPU_MAJORS
 from gpuhost.errors import GpuAllocationError, GpusExhausted, RequestError
@@ -361,12 +362,27 @@ def kill_and_retake(
     """SIGKILL ``victim``'s processes; the sandbox ``spec`` gets once its GPUs come back."""
     __tracebackhide__ = True
     victim.kill()
-    return wait_until(
+    return retake(
         lambda: create(spec),
-        timeout_s=timeout_s,
-        what=f"the GPUs of killed sandbox {victim.id} ({', '.join(uuids(victim))}) to come back",
-        retry_on=(GpusExhausted,),
+        timeout_s,
+        f"the GPUs of killed sandbox {victim.id} ({', '.join(uuids(victim))}) to come back",
     )
+
+
+def retake(
+    create: Callable[[], Sandbox],
+    timeout_s: float,
+    what: str,
+    retry_on: tuple[type[BaseException], ...] = (GpusExhausted,),
+) -> Sandbox:
+    """``create()`` again while it fails with ``retry_on``, until GPUs come back.
+
+    A driver may also wait for them inside one create: each is bounded by the driver's pace
+    and ``timeout_s``.
+    """
+    __tracebackhide__ = True
+    with unpaced(timeout_s):
+        return wait_until(create, timeout_s=timeout_s, what=what, retry_on=retry_on)
 
 
 def assert_all_gpus_grantable(driver: Driver, after: str) -> None:

@@ -45,10 +45,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpu-sandbox", "GPU sandbox conformance")
     group.addoption(
         "--driver",
+        action="append",
         default=None,
-        help="Run against these drivers, comma-separated: built-in names "
-        f"({', '.join(REGISTRY)}) or module:Class import paths. Default: every built-in "
-        "driver, skipping those that cannot run here; a driver named here must run.",
+        help="Run against these drivers, comma-separated or repeated: built-in names "
+        f"({', '.join(REGISTRY)}), module:Class import paths or exec:MANIFEST. Default: every "
+        "built-in driver, skipping those that cannot run here; a driver named here must run.",
     )
     group.addoption(
         "--sim-root",

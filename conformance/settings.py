@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conformance.bounds import CreateBound
+from conformance.bounds import DriverPace
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver
 from gpuhost.host import GpuHost, HostConfig
@@ -29,8 +29,8 @@ class Settings:
     driver's own ``exhaustion_grace_s``."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Driver → why it cannot run here, once its probe said so (in this process)."""
-    create_bounds: dict[str, CreateBound] = field(default_factory=dict)
-    """Driver → its ``conformance.bounds.CreateBound``: the pace of its creates so far."""
+    paces: dict[str, DriverPace] = field(default_factory=dict)
+    """Driver → its ``conformance.bounds.DriverPace``: the pace of its calls so far."""
 
     @functools.cached_property
     def host(self) -> GpuHost:
@@ -46,8 +46,8 @@ SIM_ROOT_KEY = "gpu_sandbox_sim_root"
 
 def settings_from(config: pytest.Config) -> Settings:
     """The settings of the options; a worker's session and simulated host are its controller's."""
-    option = config.getoption("--driver")
-    names = [name.strip() for name in option.split(",") if name.strip()] if option else []
+    options: list[str] = config.getoption("--driver") or []
+    names = list(dict.fromkeys(n.strip() for o in options for n in o.split(",") if n.strip()))
     try:
         drivers = {name: get_driver_class(name) for name in names or REGISTRY}
     except UnknownDriver as exc:

@@ -130,7 +130,7 @@ def test_a_held_dri_gpu_is_never_granted_again(
     of_vendor = _the_most_of_one_vendor(driver)
     vendor = of_vendor[0].vendor
     held = of_vendor[-1]
-    with HeldSandbox.start(driver, settings.host_config, _exact(driver, held.pci_bus_id)) as other:
+    with HeldSandbox.start(driver, settings, _exact(driver, held.pci_bus_id)) as other:
         reply = other.go()
         assert reply["ok"], f"another process could not take {held.describe()}: {reply}"
         for device_id in driver.device_ids(held):

@@ -18,6 +18,7 @@ from conformance.hold import REPLY_TIMEOUT_S, HeldSandbox, reap_from_a_fresh_pro
 from conformance.observe import (
     assert_all_gpus_grantable,
     parse_list,
+    retake,
     specs_for_gpus,
     uuids,
     visible_gpu_uuids,
@@ -29,7 +30,6 @@ from gpuhost import cdi
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.spec import SandboxSpec
-from gpuhost.wait import wait_until
 
 CLI_TIMEOUT_S = 120
 
@@ -117,11 +117,10 @@ def test_container_removed_out_of_band_frees_its_gpus(
     assert isinstance(victim, ContainerSandbox)
     removed = _cli(engine.cli_argv("rm", "--force", victim.container_id))
     assert removed.returncode == 0, f"`{engine.cli} rm --force` failed: {removed.stderr.strip()}"
-    successor = wait_until(
+    successor = retake(
         lambda: sandboxes(spec),
-        timeout_s=settings.reclaim_timeout_s,
-        what=f"re-taking the GPUs of container {victim.container_id[:12]}, removed out-of-band",
-        retry_on=(GpusExhausted,),
+        settings.reclaim_timeout_s,
+        f"re-taking the GPUs of container {victim.container_id[:12]}, removed out-of-band",
     )
     assert sorted(uuids(successor)) == sorted(host_gpus)
 
@@ -137,7 +136,7 @@ def test_reap_removes_a_container_whose_creator_died_before_starting_it(
         "ps", "--all", "--filter", f"label={SESSION_LABEL}={session}", "--format", "{{.ID}}"
     )
     with HeldSandbox.start(
-        theirs, settings.host_config, specs_for_gpus(engine, 1)[0], die_at_hand_over=True
+        theirs, settings, specs_for_gpus(engine, 1)[0], die_at_hand_over=True
     ) as creator:
         creator.send_go()
         died = creator.process.wait(REPLY_TIMEOUT_S)

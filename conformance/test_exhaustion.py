@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.bounds import unpaced
 from conformance.fixtures import SandboxFactory, exhaustion_grace
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
@@ -35,7 +36,8 @@ def _create_within(
 
     def create() -> None:
         try:
-            outcome.append(sandboxes(spec))
+            with unpaced():  # a request that must be refused: if granted late, not a pace
+                outcome.append(sandboxes(spec))
         except BaseException as exc:
             outcome.append(exc)
 
@@ -228,8 +230,7 @@ def test_concurrent_creates_from_processes_never_share(
     total = len(driver.inventory()) - kept
     # Two more processes than free GPUs: enough to race and to lose.
     holders = [
-        HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus())
-        for _ in range(total + 2)
+        HeldSandbox.start(driver, settings, SandboxSpec.with_gpus()) for _ in range(total + 2)
     ]
     try:
         for holder in holders:  # all imported and waiting: then all told at once

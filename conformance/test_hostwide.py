@@ -103,7 +103,7 @@ def _held_by_other_processes(
         SandboxSpec.with_gpus(driver=holder.name, device_ids=[holder.device_ids(gpu)[0]])
         for gpu in gpus
     ]
-    others = [HeldSandbox.start(holder, settings.host_config, spec) for spec in specs]
+    others = [HeldSandbox.start(holder, settings, spec) for spec in specs]
     try:
         for other in others:
             other.send_go()

@@ -16,6 +16,7 @@ from conformance.hold import HeldSandbox, reap_from_a_fresh_process
 from conformance.observe import (
     assert_all_gpus_grantable,
     kill_and_retake,
+    retake,
     specs_for_all_gpus,
     specs_for_gpus,
     uuids,
@@ -26,7 +27,7 @@ from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Driver, ExecResult, Sandbox
 from gpuhost.errors import ExecTimeout, GpusExhausted, SandboxExecError
 from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec, parse_spec
-from gpuhost.wait import wait_for, wait_until
+from gpuhost.wait import wait_for
 
 ENDED_TIMEOUT_S = 60.0
 """How long a killed sandbox may take to be gone, on a loaded machine too."""
@@ -118,16 +119,15 @@ def test_gpus_of_a_dead_creator_are_reclaimed(
 ) -> None:
     """The GPUs of a sandbox whose creating process died MUST go to the next request."""
     spec = _biggest_request(driver)
-    with HeldSandbox.start(driver, settings.host_config, spec) as creator:
+    with HeldSandbox.start(driver, settings, spec) as creator:
         reply = creator.go()
         assert reply["ok"], f"the creating process could not take GPUs: {reply}"
         _take_the_other_gpus(driver, sandboxes)
         creator.kill()
-    successor = wait_until(
+    successor = retake(
         lambda: sandboxes(spec),
-        timeout_s=settings.reclaim_timeout_s,
-        what="the GPUs of a sandbox whose creator was killed to come back",
-        retry_on=(GpusExhausted,),
+        settings.reclaim_timeout_s,
+        "the GPUs of a sandbox whose creator was killed to come back",
     )
     assert set(uuids(successor)) & set(reply["gpus"])
     assert reply["sandbox"] not in driver.sandboxes(driver.session_id), (
@@ -199,7 +199,7 @@ def test_reap_from_a_fresh_process_after_the_creator_crashed(
     theirs = type(driver)(driver.host, session, driver.image)
     # All GPUs but one: the one left for what a creator stopped half-way leaves.
     spec = specs_for_gpus(driver, max(1, len(driver.inventory()) - 1))[0]
-    with HeldSandbox.start(theirs, settings.host_config, spec) as held:
+    with HeldSandbox.start(theirs, settings, spec) as held:
         reply = held.go()
         assert reply["ok"], f"the creating process could not make its sandbox: {reply}"
         if creator == "stopped":

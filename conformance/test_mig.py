@@ -225,7 +225,7 @@ def test_a_gpu_and_its_instances_exclude_each_other(
     parent = next(gpu for gpu in driver.host.gpus if gpu.uuid == parent_uuid)
     instance = migs[-1]
     with HeldSandbox.start(
-        driver, settings.host_config, _exact(driver, driver.device_ids(instance)[0])
+        driver, settings, _exact(driver, driver.device_ids(instance)[0])
     ) as other:
         reply = other.go()
         assert reply["ok"], f"another process could not take {instance.uuid}: {reply}"

@@ -73,8 +73,8 @@ def test_default_request_avoids_gpus_held_by_another_process(
     """A default GPU request MUST NOT get a GPU a sandbox of another process holds."""
     # Two other processes: the second's GPU stays held when the first closes its sandbox.
     with (
-        HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as first,
-        HeldSandbox.start(driver, settings.host_config, SandboxSpec.with_gpus()) as second,
+        HeldSandbox.start(driver, settings, SandboxSpec.with_gpus()) as first,
+        HeldSandbox.start(driver, settings, SandboxSpec.with_gpus()) as second,
     ):
         replies = [first.go(), second.go()]
         assert all(reply["ok"] for reply in replies), f"the other processes got {replies}"
@@ -205,7 +205,7 @@ def test_exact_id_held_by_another_sandbox_is_busy(
     holder.close()
     # Held by another process's sandbox: busy all the same.
     spec = _exact(driver, [driver.device_ids(target)[0]])
-    with HeldSandbox.start(driver, settings.host_config, spec) as other:
+    with HeldSandbox.start(driver, settings, spec) as other:
         assert other.go()["ok"], "another process could not take the GPU"
         with pytest.raises(GpuBusy):
             sandboxes(spec)

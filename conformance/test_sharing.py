@@ -12,6 +12,7 @@ from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
     create_side_by_side,
     expect_refusal,
+    retake,
     specs_for_gpus,
     uuids,
     visible_gpu_uuids,
@@ -20,7 +21,6 @@ from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SHARED, SandboxSpec
-from gpuhost.wait import wait_until
 
 SHARING_FIELD = "resource_requirements.gpu.sharing"
 
@@ -76,8 +76,8 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
 
     # The same from another process: it may join a GPU with room, not a full one.
     room = driver.device_ids(beyond.gpus[0])[0]
-    joining = HeldSandbox.start(driver, settings.host_config, _shared(driver, room))
-    crowding = HeldSandbox.start(driver, settings.host_config, _shared(driver, gpu_ids[0]))
+    joining = HeldSandbox.start(driver, settings, _shared(driver, room))
+    crowding = HeldSandbox.start(driver, settings, _shared(driver, gpu_ids[0]))
     try:
         reply = joining.go()
         assert reply["ok"], f"another process could not join {room}, shared by one: {reply}"
@@ -101,7 +101,9 @@ def _a_stricter_limit_binds_every_sharer(
         return
     device_id = driver.device_ids(free[0])[0]
     stricter = dataclasses.replace(settings.host_config, share_limit=2)
-    with HeldSandbox.start(driver, stricter, _shared(driver, device_id)) as other:
+    with HeldSandbox.start(
+        driver, dataclasses.replace(settings, host_config=stricter), _shared(driver, device_id)
+    ) as other:
         reply = other.go()
         assert reply["ok"], f"another process could not share {device_id}: {reply}"
         sandboxes(_shared(driver, device_id))  # the second sharer: within both limits
@@ -145,7 +147,7 @@ def test_a_shared_gpu_is_exclusive_again_only_after_its_last_sharer(
     gpu = first.gpus[0]
     device_id = driver.device_ids(gpu)[0]
     second = sandboxes(_shared(driver, device_id))
-    with HeldSandbox.start(driver, settings.host_config, _shared(driver, device_id)) as other:
+    with HeldSandbox.start(driver, settings, _shared(driver, device_id)) as other:
         reply = other.go()
         assert reply["ok"], f"another process could not share {gpu.uuid}: {reply}"
 
@@ -160,10 +162,10 @@ def test_a_shared_gpu_is_exclusive_again_only_after_its_last_sharer(
         assert visible_gpu_uuids(second) == [gpu.uuid], "a dead sharer took the GPU away"
 
     second.close()
-    exclusive = wait_until(
+    exclusive = retake(
         lambda: sandboxes(_exclusive(driver, device_id)),
-        timeout_s=settings.reclaim_timeout_s,
-        what=f"{gpu.uuid} to be exclusive again once its last sharer ended",
+        settings.reclaim_timeout_s,
+        f"{gpu.uuid} to be exclusive again once its last sharer ended",
         retry_on=(GpuBusy,),
     )
     assert uuids(exclusive) == [gpu.uuid]

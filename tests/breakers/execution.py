@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 from collections.abc import Callable, Mapping
 
 from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, Launch, Output
@@ -214,6 +215,22 @@ class TimeoutKillsTheWholeSandbox(BrokenDriver):
 
     BREAKS = "SANDBOX-EXEC-01"
     SANDBOX = _KillsEverythingOnTimeout
+
+
+class _HangsAtItsTimeout(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        try:
+            return super().run(command, output)
+        except CommandTimedOut:
+            threading.Event().wait()  # "the command was killed": the exec never says so
+            raise
+
+
+class ExecNeverReturnsPastItsTimeout(BrokenDriver):
+    """SANDBOX-EXEC-01: a command past its timeout is killed, but the exec never returns."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _HangsAtItsTimeout
 
 
 class HostEnvironmentLeaks(BrokenDriver):

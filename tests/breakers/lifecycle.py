@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 
 from drivers import reference
@@ -219,3 +220,16 @@ class ReapTakesOtherClientsLeases(BrokenDriver):
         reaped = super().reap(session_id)
         released = self.host.leases.release_session(session_id)  # no driver= filter
         return sorted({*reaped, *(lease.sandbox_id for lease in released)})
+
+
+class _StopNeverReturns(ReferenceSandbox):
+    def stop(self) -> None:
+        super().stop()
+        threading.Event().wait()  # waits for an exit status that was already collected
+
+
+class CloseNeverReturns(BrokenDriver):
+    """GPU-RELEASE-01: close ends the sandbox, then waits forever and releases nothing."""
+
+    BREAKS = "GPU-RELEASE-01"
+    SANDBOX = _StopNeverReturns
