@@ -144,7 +144,7 @@ conformance: venv host-packages vm-lane gosandbox
 	  --conformance-markdown=$(REPORTS)/conformance.md $(PYTEST_ARGS)
 
 # The Go driver of examples/drivers/gosandbox (standard library only: no module proxy is
-# asked), for tests/test_gosandbox.py and --driver=exec:examples/drivers/gosandbox/driver.yaml.
+# asked), for tests/drivers/test_gosandbox.py and --driver=exec:examples/drivers/gosandbox/driver.yaml.
 # Where Go is missing, nothing is built and its lane is skipped, saying what it needed.
 GOSANDBOX := examples/drivers/gosandbox
 .PHONY: gosandbox

@@ -2,7 +2,7 @@
 # Prints the run that docs/writing-a-driver.md shows: the catalogue against jail.py on the
 # gate's host layout (that of `make conformance`), from a directory of its own, as a driver's
 # own repository runs it. As root: examples/drivers/output.sh (PYTEST: which pytest, by default
-# this checkout's .venv/bin/pytest). tests/test_example_driver.py checks the page against a run.
+# this checkout's .venv/bin/pytest). tests/conformance/test_example_driver.py checks the page against a run.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 pytest=${PYTEST:-$here/../../.venv/bin/pytest}

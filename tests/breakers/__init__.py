@@ -3,10 +3,11 @@
 Each names in ``BREAKS``, and in its docstring, the requirement its defect must make the
 catalogue fail. The reference driver's are grouped by area, one module per
 ``conformance/test_<area>.py`` (``base.py`` holds what they are made of), and
-``tests/test_planted.py`` runs the catalogue against every one of them (``ALL``). The lanes'
-own, which need an engine, a cluster or QEMU to run, are apart: ``containers.py`` (docker
-and podman, ``tests/test_engines.py``), ``pods.py`` (kubernetes, ``tests/test_kubernetes.py``)
-and ``vms.py`` (the vm driver, ``tests/test_vm.py``).
+``tests/conformance/test_planted.py`` runs the catalogue against every one of them
+(``ALL``). The lanes' own, which need an engine, a cluster or QEMU to run, are apart:
+``containers.py`` (docker and podman, ``tests/drivers/test_engines.py``), ``pods.py``
+(kubernetes, ``tests/drivers/test_kubernetes.py``) and ``vms.py`` (the vm driver,
+``tests/drivers/test_vm.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each defect is written once, as a mixin over ``ContainerDriver``, and planted in both
 engines' drivers. ``BREAKS`` names the requirement the catalogue must fail for it;
-``tests/test_engines.py`` runs those tests against every one of them.
+``tests/drivers/test_engines.py`` runs those tests against every one of them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Planted broken kubernetes drivers: the kubernetes driver with one defect each.
 
-``BREAKS`` names the requirement the catalogue must fail for each; tests/test_kubernetes.py
+``BREAKS`` names the requirement the catalogue must fail for each; tests/drivers/test_kubernetes.py
 runs those requirements against every one of them on the local cluster (``make cluster``).
 ``LeakyDevicePlugin`` is a healthy driver in front of a broken device plugin: the cluster
 runs one (``gpu-sandbox.test/leaky-gpu``) that injects every GPU's node into each pod, so

@@ -1,9 +1,9 @@
 """Planted broken vm drivers (and a VFIO binder): the vm driver with one defect each.
 
-``BREAKS`` names the requirement the catalogue must fail for each driver; tests/test_vm.py
+``BREAKS`` names the requirement the catalogue must fail for each driver; tests/drivers/test_vm.py
 runs those tests against every one of them on a simulated host, on real QEMU.
 ``BindingNotRestored`` is judged by the VFIO tests on constructed sysfs trees
-(tests/test_vfio.py): nothing here has an IOMMU to pass a GPU through.
+(tests/gpuhost/test_vfio.py): nothing here has an IOMMU to pass a GPU through.
 """
 
 from __future__ import annotations

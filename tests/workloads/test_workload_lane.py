@@ -15,7 +15,7 @@ from gpuhost.spec import SandboxSpec
 from workloads.harness import PASS, run_in_sandbox
 from workloads.manifest import MANIFEST, load_manifest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def run_lane(

@@ -31,7 +31,7 @@ from gpuhost.discovery import (
 )
 from tests.captures import parse_dri_by_path_listing, parse_lspci_vmm
 
-DATA = Path(__file__).parent / "data" / "discovery"
+DATA = Path(__file__).parents[1] / "data" / "discovery"
 DGX_H100_BUSES = [f"0000:{bus}:00.0" for bus in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]
 MASKED_GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 DRI_MAJOR = 226

@@ -17,7 +17,7 @@ from conformance.requirements import RequirementsError
 from drivers import REGISTRY
 from workloads.manifest import MANIFEST, REQUIREMENT_PREFIX, load_manifest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CATALOGUE = ROOT / "conformance"
 WORKLOADS = ROOT / "workloads"
 KNOWN_DRIVERS = {"reference", "docker", "podman", "kubernetes", "vm"}

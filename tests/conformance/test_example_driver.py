@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 EXAMPLES = ROOT / "examples" / "drivers"
 EXAMPLE = EXAMPLES / "jail.py"
 PAGE = ROOT / "docs" / "writing-a-driver.md"

@@ -34,7 +34,7 @@ from gpuhost.errors import (
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from tests.catalogue import ROOT, golden_ids, run_catalogue
-from tests.test_example_driver import gate_layout
+from tests.conformance.test_example_driver import gate_layout
 
 EXAMPLE = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 NAME = "jsonl-jail"
@@ -134,7 +134,7 @@ def test_a_bad_jsonl_manifest_is_refused_naming_the_key(changes: dict[str, Any],
 
 
 def test_a_templates_manifest_may_not_name_a_command() -> None:
-    from tests.test_external_driver import sh_manifest
+    from tests.drivers.test_external_driver import sh_manifest
 
     with pytest.raises(ManifestError, match="command"):
         parse(sh_manifest(Path("/nonexistent"), command=["x"]))
@@ -250,7 +250,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type:
 def test_an_exec_whose_driver_ignores_timeout_and_cancel_is_ended_by_the_adapter(
     fake: type, host: GpuHost, tmp_path: Path
 ) -> None:
-    from tests.test_external_driver import _gone
+    from tests.drivers.test_external_driver import _gone
 
     sandbox = fake(host, "fake-e").create(SandboxSpec())
     started = time.monotonic()

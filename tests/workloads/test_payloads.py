@@ -22,7 +22,7 @@ from drivers.base import ExecResult
 from workloads.harness import ERROR, FAIL, PASS, judge, run_on_host
 from workloads.manifest import MANIFEST, PAYLOADS, Workload, load_manifest
 
-DISCOVERY = Path(__file__).parent / "data" / "discovery"
+DISCOVERY = Path(__file__).parents[1] / "data" / "discovery"
 WORKLOADS = {workload.name: workload for workload in load_manifest(MANIFEST)}
 FAKE_UUIDS = (
     "GPU-11111111-2222-3333-4444-555555555555",

@@ -31,7 +31,7 @@ from gpuhost.errors import (
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from tests.catalogue import ROOT, golden_ids, run_catalogue
-from tests.test_external_jsonl import assert_every_message_in_the_protocol, trace  # noqa: F401
+from tests.drivers.test_external_jsonl import assert_every_message_in_the_protocol, trace  # noqa: F401
 
 SOURCE = ROOT / "examples" / "drivers" / "gosandbox"
 MANIFEST = SOURCE / "driver.yaml"

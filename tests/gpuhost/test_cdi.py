@@ -13,7 +13,7 @@ from gpuhost import cdi, simulated
 from gpuhost.devices import DeviceNode, GpuDevice
 from gpuhost.leases import Holder
 
-DATA = Path(__file__).parent / "data" / "cdi"
+DATA = Path(__file__).parents[1] / "data" / "cdi"
 T4_SPEC = DATA / "cdi-spec.nvidia-ctk.T4-g4dn.xlarge.570.133.20.yaml"
 T4_UUID = "GPU-6cf00fa7-59ac-16f2-3e83-d24ccdc56f84"
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gpuhost import leasefile
 from gpuhost.leases import Holder, LeaseFileCorrupt, LeaseOwner, LeaseRegistry, boot_id
-from tests.test_lease_protocol import CLIENT, INVENTORY, SCHEMA
+from tests.gpuhost.test_lease_protocol import CLIENT, INVENTORY, SCHEMA
 
 pytestmark = pytest.mark.fuzz
 

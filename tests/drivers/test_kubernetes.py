@@ -54,8 +54,8 @@ from tests.breakers import pods
 from tests.catalogue import assert_fails_its_requirement, golden_ids, run_catalogue
 
 pytestmark = pytest.mark.xdist_group("kubernetes")
-DATA = Path(__file__).parent / "data" / "kubernetes"
-ROOT = Path(__file__).parent.parent
+DATA = Path(__file__).parents[1] / "data" / "kubernetes"
+ROOT = Path(__file__).parents[2]
 
 
 def recorded(name: str) -> Any:

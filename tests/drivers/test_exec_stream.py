@@ -1,8 +1,8 @@
 """``Sandbox.exec_stream``: the command's output to file descriptors, as it is written.
 
 The reference driver's here, in this process; docker's and podman's through ``gpu-sandbox
-run`` in tests/test_cli.py. The contract's default (output written once the command ends)
-is checked on a reference sandbox too, called as the base class has it.
+run`` in tests/gpu_sandbox/test_cli.py. The contract's default (output written once the
+command ends) is checked on a reference sandbox too, called as the base class has it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy
 from gpuhost.leases import Holder, LeaseOwner, LeaseRegistry, boot_id
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CLIENT = ROOT / "gpuhost" / "gpu-lease"
 SCHEMA = json.loads((ROOT / "docs" / "lease-file.schema.json").read_text())
 INVENTORY = tuple(

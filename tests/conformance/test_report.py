@@ -15,7 +15,7 @@ from conformance import requirements
 from conformance.render import to_html, to_markdown, write
 from conformance.report import Entry, Results, main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 REPORTS = ROOT / "reports"
 HOSTILE = "<script>alert('x')</script> | `&` \"quoted\""
 

@@ -34,7 +34,7 @@ from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import Holder
 from gpuhost.spec import SandboxSpec
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 GPU_SANDBOX = Path(sys.executable).parent / "gpu-sandbox"
 CDI_DIR = Path("/var/run/cdi")
 CLI_TIMEOUT_S = 120.0
@@ -43,8 +43,9 @@ OUTPUT_TIMEOUT_S = 60.0
 """How long the first line of a running command may take to come through."""
 DRIVERS = ("reference", "docker", "podman")
 ENGINE_GROUP = pytest.mark.xdist_group("engines")
-"""Tests that use an engine run in tests/test_engines.py's group, one of which stops dockerd.
-(Under xdist each worker has a simulated host of its own: no other grouping is needed.)"""
+"""Tests that use an engine run in tests/drivers/test_engines.py's group, one of which stops
+dockerd. (Under xdist each worker has a simulated host of its own: no other grouping is
+needed.)"""
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from gpuhost import simulated
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def run(
@@ -207,6 +207,26 @@ def test_a_failed_optional_requirement_is_reported_and_does_not_gate(
         ]
     )
     assert result.ret == pytest.ExitCode.OK
+
+
+def test_driver_repeated_or_comma_separated_runs_each_driver_once(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    host = simulated.setup(tmp_path / "sim", 2)
+    report = tmp_path / "conformance.json"
+    other = "tests.fake_drivers:OutputAtTheEnd"
+    result = run(
+        pytester,
+        "--driver=reference",
+        f"--driver={other},reference",
+        f"--sim-root={host.root}",
+        "-k",
+        "no_gpu_request",
+        f"--conformance-json={report}",
+    )
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert list(json.loads(report.read_text())["drivers"]) == ["reference", other]
+    result.assert_outcomes(passed=2)
 
 
 def test_a_hanging_driver_fails_its_requirement_by_name_and_the_report_is_written(

@@ -26,8 +26,8 @@ from gpu_sandbox.cli import EXIT_USAGE, main
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import parse_spec
+from tests.gpuhost.test_fuzz_requests import ODD_TEXT, OfflineHost, json_values, requests
 from tests.offline_drivers import OFFLINE
-from tests.test_fuzz_requests import ODD_TEXT, OfflineHost, json_values, requests
 
 pytestmark = pytest.mark.fuzz
 
