@@ -9,7 +9,9 @@ protocol's (``drivers.external.protocol.error_of``). Its jails die with it (bwra
 
 ``JSONL_JAIL_BREAK`` plants a fault, for the suite's own tests: ``exit-codes`` (every
 non-zero exit code reported as 1), ``merged-streams`` (stderr sent as stdout),
-``crash-on-third-create`` (the first driver process of a host dies at its third create).
+``crash-on-third-create`` (the first driver process of a host dies at its third create),
+``forget-on-restart`` (list and reap answer from this process's memory: a driver process
+started later, or another process's, knows none of the sandboxes made before it).
 """
 
 from __future__ import annotations
@@ -240,10 +242,17 @@ class Server:
         return {}
 
     def op_list(self, request: dict[str, Any]) -> dict[str, Any]:
+        if BREAK == "forget-on-restart":
+            return {"sandbox_ids": sorted(self._remembered(request["session_id"]))}
         return {"sandbox_ids": self.driver(request["session_id"]).sandboxes(request["session_id"])}
 
     def op_reap(self, request: dict[str, Any]) -> dict[str, Any]:
         session = request["session_id"]
+        if BREAK == "forget-on-restart":
+            removed = self._remembered(session)
+            for sandbox_id in removed:
+                self.op_close({"sandbox_id": sandbox_id, "kill": False})
+            return {"removed": removed}
         removed = self.driver(session).reap(session)
         with self.lock:
             gone = [sid for sid, (owner, _) in self.jails.items() if owner == session]
@@ -251,6 +260,10 @@ class Server:
         for jail in jails:
             jail.bwrap.wait()  # reaped: killed already
         return {"removed": removed}
+
+    def _remembered(self, session: str) -> list[str]:
+        with self.lock:
+            return [sid for sid, (owner, _) in self.jails.items() if owner == session]
 
     def op_shutdown(self, request: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
