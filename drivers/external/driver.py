@@ -170,7 +170,37 @@ class ExternalDriver(Driver):
 
     # -- the devices -------------------------------------------------------------------
 
+    def declared(self) -> Mapping[str, tuple[str, ...]] | None:
+        """The GPUs the driver says it could give (UUID: its IDs), or None (not declared).
+
+        Asked once per driver object; a UUID this host lacks is an ``ExternalDriverError``.
+        """
+        if not self.manifest.inventory:
+            return None
+        cached: Mapping[str, tuple[str, ...]] | None = getattr(self, "_declared", None)
+        if cached is None:
+            cached = self._declared = self.ask_inventory()
+            unknown = sorted(set(cached) - {gpu.uuid for gpu in self.host.devices})
+            if unknown:
+                raise ExternalDriverError(
+                    f"{self.name} inventory: GPUs this host lacks: {', '.join(unknown)}"
+                )
+        return cached
+
+    def ask_inventory(self) -> dict[str, tuple[str, ...]]:
+        """The inventory template's lines: a UUID, then the IDs the driver names it by."""
+        text = checked(self.operation("inventory", "inventory"), f"{self.name} inventory")
+        found: dict[str, tuple[str, ...]] = {}
+        for line in text.splitlines():
+            if line.split():
+                uuid, *ids = line.split()
+                found[uuid] = tuple(ids) or (uuid,)
+        return found
+
     def _takes(self, gpu: GpuDevice) -> bool:
+        declared = self.declared()
+        if declared is not None:
+            return gpu.uuid in declared
         caps = self.manifest.capabilities
         if gpu.vendor not in caps.get("vendors", ("nvidia",)):
             return False
@@ -190,6 +220,9 @@ class ExternalDriver(Driver):
         )
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        declared = self.declared()
+        if declared is not None:
+            return declared.get(gpu.uuid, ())
         ids: list[str] = []
         for form in self.manifest.capabilities.get("idForms", ()):
             if form == "index" and gpu.vendor == "nvidia" and not gpu.is_mig:

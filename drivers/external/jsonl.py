@@ -189,6 +189,10 @@ class JsonlDriver(ExternalDriver):
             )
         return Availability(True)
 
+    def ask_inventory(self) -> dict[str, tuple[str, ...]]:
+        gpus = self.result("inventory", f"{self.name} inventory")["gpus"]
+        return {gpu["uuid"]: tuple(gpu.get("ids") or (gpu["uuid"],)) for gpu in gpus}
+
     def sandboxes(self, session_id: str) -> list[str]:
         what = f"{self.name} list of session {session_id}"
         return sorted(self.result("list", what, session_id=session_id)["sandbox_ids"])

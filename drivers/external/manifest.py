@@ -32,6 +32,7 @@ TEMPLATE_VARIABLES: Mapping[str, tuple[str, ...]] = {
     "list": ("session_id", "driver", "cdi_kind"),
     "reap": ("session_id", "driver", "cdi_kind"),
     "version": ("driver",),
+    "inventory": ("driver", "cdi_kind"),
 }
 """The variables each template may name."""
 TEMPLATE_SPLICES: Mapping[str, tuple[str, ...]] = {
@@ -53,7 +54,7 @@ FRAGMENT_VARIABLES: Mapping[str, tuple[str, ...]] = {
 }
 DEFAULT_TIMEOUTS: Mapping[str, float] = {
     "create": 120.0, "ready": 60.0, "pid": 30.0, "close": 60.0, "kill": 30.0, "list": 30.0,
-    "reap": 120.0, "version": 10.0, "hello": 30.0, "shutdown": 10.0,
+    "reap": 120.0, "version": 10.0, "hello": 30.0, "shutdown": 10.0, "inventory": 30.0,
 }  # fmt: skip
 COMMAND_VARIABLES = ("python", "driver")
 """The variables a jsonl manifest's ``command`` may name."""
@@ -95,6 +96,8 @@ class Manifest:
     mode: str = "templates"
     command: tuple[str, ...] = ()
     """Mode jsonl: the driver process's argv."""
+    inventory: bool = False
+    """Whether the driver says which GPUs it could give (templates.inventory, or the message)."""
 
     @property
     def host_registry(self) -> bool:
@@ -138,6 +141,7 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         description=data.get("description", ""),
         mode=data["mode"],
         command=tuple(data.get("command", ())),
+        inventory=bool(data.get("inventory")) or "inventory" in data.get("templates", {}),
     )
     check_coherent(manifest, path)
     return manifest
@@ -149,7 +153,7 @@ def check_schema(data: Any, path: Path | str) -> None:
 
     if isinstance(data, Mapping):
         mode = data.get("mode")
-        for key in TEMPLATES_ONLY if mode == "jsonl" else ("command",):
+        for key in TEMPLATES_ONLY if mode == "jsonl" else ("command", "inventory"):
             if key in data:
                 other = "templates" if mode == "jsonl" else "jsonl"
                 raise ManifestError(

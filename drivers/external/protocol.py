@@ -33,7 +33,9 @@ from gpuhost.errors import (
 )
 
 PROTOCOL_VERSION: Final = 1
-OPERATIONS: Final = ("hello", "create", "exec", "cancel", "close", "list", "reap", "shutdown")
+OPERATIONS: Final = (
+    "hello", "create", "exec", "cancel", "close", "list", "reap", "shutdown", "inventory",
+)  # fmt: skip
 ERROR_TYPES: Final = (
     "invalid", "exhausted", "busy", "unsupported", "unavailable", "timeout", "infra",
     "cancelled",
@@ -226,6 +228,7 @@ SCHEMA: Final[dict[str, Any]] = {
                 _request("list", {"session_id": _SESSION}),
                 _request("reap", {"session_id": _SESSION}),
                 _request("shutdown", {}),
+                _request("inventory", {}),
             ],
         },
         "fromDriver": {
@@ -257,6 +260,17 @@ SCHEMA: Final[dict[str, Any]] = {
                 *(_reply(op, _EMPTY) for op in ("cancel", "close", "shutdown")),
                 _reply("list", _message({"sandbox_ids": {**_STRINGS, "uniqueItems": True}})),
                 _reply("reap", _message({"removed": _STRINGS})),
+                _reply(
+                    "inventory",
+                    _message(
+                        {
+                            "gpus": {
+                                "type": "array",
+                                "items": _message({"uuid": _TEXT}, {"ids": _STRINGS}),
+                            }
+                        }
+                    ),
+                ),
                 _message({"id": _ID, "op": {"enum": list(OPERATIONS)}, "error": _ERROR}),
                 _message(
                     {

@@ -18,14 +18,20 @@ ID_FORMS: Final = ("index", "uuid", "cdi", "pci", "dri")
 """What an exact ID may be: a host index, a UUID (``GPU-``/``MIG-``), a CDI name
 (``<kind>=<index>``, ``<kind>=<uuid>``, ``<kind>=<gpu>:<instance>``), a PCI address, an
 AMD or Intel GPU's DRI node path (``/dev/dri/card1``)."""
-OPERATIONS: Final = ("create", "ready", "pid", "exec", "close", "kill", "list", "reap", "version")
+OPERATIONS: Final = (
+    "create", "ready", "pid", "exec", "close", "kill", "list", "reap", "version", "inventory",
+)  # fmt: skip
 REQUIRED_OPERATIONS: Final = ("create", "exec", "close", "list", "reap")
 FRAGMENTS: Final = (
     "count", "gpu", "device", "dri_node", "tool_mount", "shared", "image", "env", "mig_profile",
     "vendor",
 )  # fmt: skip
-TIMED: Final = ("create", "ready", "pid", "close", "kill", "list", "reap", "version")
-JSONL_TIMED: Final = ("hello", "create", "close", "kill", "list", "reap", "shutdown")
+TIMED: Final = (
+    "create", "ready", "pid", "close", "kill", "list", "reap", "version", "inventory",
+)  # fmt: skip
+JSONL_TIMED: Final = (
+    "hello", "create", "close", "kill", "list", "reap", "shutdown", "inventory",
+)  # fmt: skip
 """The operations a ``jsonl`` driver answers under a timeout of the manifest's (exec's is
 the caller's)."""
 
@@ -70,7 +76,7 @@ SCHEMA: Final[dict[str, Any]] = {
             **{key: False for key in TEMPLATES_ONLY},
         },
     },
-    "else": {"required": ["templates"], "properties": {"command": False}},
+    "else": {"required": ["templates"], "properties": {"command": False, "inventory": False}},
     "properties": {
         "apiVersion": {"const": API_VERSION},
         "kind": {"const": KIND},
@@ -80,6 +86,14 @@ SCHEMA: Final[dict[str, Any]] = {
             "description": "The driver's name: its block in template.driver_config, its leases.",
         },
         "description": {"type": "string"},
+        "inventory": {
+            "type": "boolean",
+            "default": False,
+            "description": (
+                "mode jsonl: the driver answers the inventory message (which GPUs it could "
+                "give, with their IDs); mode templates declares templates.inventory instead."
+            ),
+        },
         "mode": {
             "enum": ["templates", "jsonl"],
             "description": (

@@ -83,7 +83,7 @@ def dry_run(driver: type[ExternalDriver], out: list[str]) -> None:
     }  # fmt: skip
     for what, request in samples(driver):
         out.append(f"create, {what}:\n  {shlex.join(render_create(manifest, request, values))}")
-    for op in ("ready", "pid", "close", "kill", "list", "reap", "version"):
+    for op in ("ready", "pid", "close", "kill", "list", "reap", "version", "inventory"):
         if op in manifest.templates:
             out.append(f"{op}:\n  {shlex.join(render(manifest.templates[op], values))}")
     command = Command.of(PROBE, 10)

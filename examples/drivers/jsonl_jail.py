@@ -241,6 +241,13 @@ class Server:
             jail.close()
         return {}
 
+    def op_inventory(self, request: dict[str, Any]) -> dict[str, Any]:
+        driver = self.driver("inventory")
+        gpus = [
+            {"uuid": gpu.uuid, "ids": list(driver.device_ids(gpu))} for gpu in driver.inventory()
+        ]
+        return {"gpus": gpus}
+
     def op_list(self, request: dict[str, Any]) -> dict[str, Any]:
         if BREAK == "forget-on-restart":
             return {"sandbox_ids": sorted(self._remembered(request["session_id"]))}

@@ -20,13 +20,13 @@ import yaml
 
 from drivers import UnknownDriver, get_driver_class
 from drivers.external import driver_class
-from drivers.external.driver import OperationTimedOut, run_operation
+from drivers.external.driver import ExternalDriverError, OperationTimedOut, run_operation
 from drivers.external.manifest import ManifestError, parse
 from drivers.external.schema import SCHEMA
 from drivers.external.templates import CreateRequest, render_create
 from drivers.external.validate import main as validate
 from gpuhost import simulated
-from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError
+from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError, UnknownGpuDevice
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
@@ -388,3 +388,28 @@ def test_a_fresh_process_is_told_to_build_the_same_external_driver(
     driver = driver_class(path)(host, "session-h")
     assert _name(driver) == f"exec:{path.resolve()}"
     assert get_driver_class(_name(driver)) is type(driver)
+
+
+def test_a_declared_inventory_is_what_the_adapter_offers_and_names(
+    tmp_path: Path, host: GpuHost
+) -> None:
+    """templates.inventory, where declared, replaces the host's GPUs and the idForms."""
+    gpu2, gpu3 = host.gpus[2], host.gpus[3]
+    manifest = sh_manifest(tmp_path / "sb")
+    lines = f"{gpu2.uuid} two\\n\\n{gpu3.uuid}\\n"
+    manifest["templates"]["inventory"] = ["sh", "-c", f"printf '{lines}'"]
+    driver = driver_class(write(tmp_path / "driver.yaml", manifest))(host, "session-i")
+    assert driver.inventory() == (gpu2, gpu3)
+    assert (driver.device_ids(gpu2), driver.device_ids(gpu3)) == (("two",), (gpu3.uuid,))
+    with driver.create(SandboxSpec.with_gpus(2)) as sandbox:
+        argv = (tmp_path / "sb" / "session-i" / sandbox.id).read_text().split()
+        assert argv == ["--count=2", "--device=two", f"--device={gpu3.uuid}"]
+    with pytest.raises(UnknownGpuDevice):
+        driver.create(SandboxSpec.with_gpus(driver="sh-files", device_ids=["0"]))
+    exact = SandboxSpec.with_gpus(driver="sh-files", device_ids=["two"])
+    with driver.create(exact) as sandbox:
+        assert sandbox.gpus == (gpu2,)
+    manifest["templates"]["inventory"] = ["echo", "GPU-not-on-this-host"]
+    lying = driver_class(write(tmp_path / "lying.yaml", manifest))(host, "session-i")
+    with pytest.raises(ExternalDriverError, match="GPU-not-on-this-host"):
+        lying.inventory()

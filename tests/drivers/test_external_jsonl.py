@@ -365,3 +365,19 @@ def test_reap_from_the_command_line_works_for_a_jsonl_driver(
     assert driver.sandboxes("jsonl-r") == []
     assert host.leases.leases() == []
     made.close()
+
+
+def test_a_jsonl_driver_that_declares_inventory_is_asked_for_its_gpus(
+    host: GpuHost, tmp_path: Path, trace: Path
+) -> None:
+    manifest = jsonl_manifest(
+        inventory=True, command=["{python}", str(EXAMPLE.parent / "jsonl_jail.py")]
+    )
+    path = tmp_path / "jsonl-jail.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    driver = driver_class(path)(host, "jsonl-i")
+    assert driver.inventory() == host.default_devices
+    gpu = host.gpus[1]
+    assert driver.device_ids(gpu)[:2] == (str(gpu.index), gpu.uuid)
+    assert '"op": "inventory"' in trace.read_text()
+    assert_every_message_in_the_protocol(trace)
