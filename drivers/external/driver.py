@@ -9,6 +9,7 @@ group gets SIGTERM, then SIGKILL, and the suite's typed error is raised.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ from gpuhost.errors import (
 )
 from gpuhost.leases import Holder
 from gpuhost.procfs import kill_marked
-from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan
+from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan, SandboxSpec
 
 PIPE = subprocess.PIPE
 TERM_GRACE_S = 2.0
@@ -74,17 +75,24 @@ def terminate_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], stdout: int = PIPE, stderr: int = PIPE
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    stdout: int = PIPE,
+    stderr: int = PIPE,
+    stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
     """``argv`` started in a process group of its own, no stdin, ``env`` over ours."""
     return subprocess.Popen(
-        list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
         start_new_session=True, env={**os.environ, **env},
     )  # fmt: skip
 
 
 def finish(
-    process: subprocess.Popen[bytes], timeout: float, needle: bytes | None = None
+    process: subprocess.Popen[bytes],
+    timeout: float,
+    needle: bytes | None = None,
+    data: bytes | None = None,
 ) -> tuple[bytes, bytes] | None:
     """Its output, once it ends within ``timeout``; None once it is killed at the timeout.
 
@@ -92,7 +100,7 @@ def finish(
     carrying it (what an exec started, wherever it went).
     """
     try:
-        out, err = process.communicate(timeout=timeout)
+        out, err = process.communicate(data, timeout=timeout)
     except subprocess.TimeoutExpired:
         if needle is not None:
             kill_marked(needle)
@@ -103,18 +111,19 @@ def finish(
 
 
 def run_operation(
-    argv: Sequence[str], timeout: float, what: str
+    argv: Sequence[str], timeout: float, what: str, data: bytes | None = None
 ) -> subprocess.CompletedProcess[bytes]:
     """Run ``argv`` in a process group of its own, within ``timeout`` seconds.
 
+    ``data`` goes on its stdin (else it has none).
     ``OperationTimedOut`` (with "timeout" in its message) once the group is killed;
     ``ExternalDriverError`` when the program cannot be started.
     """
     try:
-        process = spawn(argv, {})
+        process = spawn(argv, {}, stdin=subprocess.DEVNULL if data is None else PIPE)
     except OSError as exc:
         raise ExternalDriverError(f"{what}: cannot run {shown(list(argv))}: {exc}") from exc
-    output = finish(process, timeout)
+    output = finish(process, timeout, data=data)
     if output is None:
         raise OperationTimedOut(
             f"{what}: {shown(list(argv))} ran past its timeout of {timeout:g} s; its process "
@@ -309,8 +318,10 @@ class ExternalDriver(Driver):
         sid = launch.sandbox_id
         argv = self.create_argv(sid, self.create_request(launch))
         what = f"create of sandbox {sid}"
+        data = self.stdin_request(launch) if self.manifest.request_on_stdin else None
         try:
-            out = checked(run_operation(argv, self.manifest.timeouts["create"], what), what)
+            done = run_operation(argv, self.manifest.timeouts["create"], what, data)
+            out = checked(done, what)
         except ExternalDriverError as exc:
             self._discard(sid, sid)
             raise SandboxStartError(str(exc)) from exc
@@ -337,6 +348,21 @@ class ExternalDriver(Driver):
             launch.plan.gpus if launch.plan is not None else ()
         )  # fmt: skip
         return ExternalSandbox(self, sid, native, gpus, holder)
+
+    def stdin_request(self, launch: Launch) -> bytes:
+        """The request as one JSON object (``requestOnStdin``), for create's stdin."""
+        req = launch.request
+        block = {self.name: dict(req.config)} if req.config else {}
+        spec = SandboxSpec(image=req.image, env=req.env, gpu=req.gpu, driver_config=block)
+        gpus = [
+            {"uuid": gpu.uuid, "id": (self.device_ids(gpu) or (gpu.uuid,))[0]}
+            for gpu in launch.gpus
+        ]
+        message = {
+            "session_id": self.session_id, "sandbox_id": launch.sandbox_id,
+            "driver": self.name, "request": spec.to_dict(), "gpus": gpus,
+        }  # fmt: skip
+        return json.dumps(message).encode() + b"\n"
 
     def _discard(self, sandbox_id: str, native: str) -> None:
         """Close what a failed create may have left; its own failure is not the story."""

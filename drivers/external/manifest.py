@@ -97,6 +97,8 @@ class Manifest:
     command: tuple[str, ...] = ()
     """Mode jsonl: the driver process's argv."""
     inventory: bool = False
+    request_on_stdin: bool = False
+    """Mode templates: create reads the request as JSON on its stdin."""
     """Whether the driver says which GPUs it could give (templates.inventory, or the message)."""
 
     @property
@@ -141,6 +143,7 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         description=data.get("description", ""),
         mode=data["mode"],
         command=tuple(data.get("command", ())),
+        request_on_stdin=bool(data.get("requestOnStdin")),
         inventory=bool(data.get("inventory")) or "inventory" in data.get("templates", {}),
     )
     check_coherent(manifest, path)

@@ -55,6 +55,7 @@ TEMPLATES_ONLY: Final = (
     "driverConfig",
     "exec",
     "defaultImage",
+    "requestOnStdin",
 )
 
 SCHEMA: Final[dict[str, Any]] = {
@@ -121,6 +122,14 @@ SCHEMA: Final[dict[str, Any]] = {
             "description": "stdout: create prints the driver's id; adapter: {sandbox_id} is it.",
         },
         "defaultImage": {"type": "string", "minLength": 1},
+        "requestOnStdin": {
+            "type": "boolean",
+            "default": False,
+            "description": (
+                "create reads the request as one JSON object on its stdin: the session, the "
+                "sandbox id, the request in the seeds' shape, the leased GPUs."
+            ),
+        },
         "capabilities": {
             "type": "object",
             "additionalProperties": False,

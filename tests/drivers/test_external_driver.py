@@ -32,6 +32,7 @@ from gpuhost.spec import SandboxSpec
 from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
 
 PODMAN_CLI = ROOT / "examples" / "drivers" / "podman-cli.yaml"
+EXAMPLE_JSONL = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 PODMAN_CLI_FAILS = {"GPU-RECLAIM-02", "GPU-SHARED-02"}
 """What the podman CLI fails with the adapter leasing its GPUs (docs/external-drivers.md):
 a `podman run -d` container outlives the process that created it, with its GPUs."""
@@ -413,3 +414,20 @@ def test_a_declared_inventory_is_what_the_adapter_offers_and_names(
     lying = driver_class(write(tmp_path / "lying.yaml", manifest))(host, "session-i")
     with pytest.raises(ExternalDriverError, match="GPU-not-on-this-host"):
         lying.inventory()
+
+
+def test_request_on_stdin_hands_create_the_request_as_json(tmp_path: Path, host: GpuHost) -> None:
+    manifest = sh_manifest(tmp_path / "sb", requestOnStdin=True)
+    d = f"{tmp_path / 'sb'}/{{session_id}}"
+    manifest["templates"]["create"] = ["sh", "-c", f"mkdir -p {d} && cat > {d}/{{sandbox_id}}"]
+    driver = driver_class(write(tmp_path / "driver.yaml", manifest))(host, "session-j")
+    gpu1 = host.gpus[1]
+    spec = SandboxSpec.with_gpus(driver="sh-files", device_ids=[gpu1.uuid], image="img")
+    with driver.create(spec) as sandbox:
+        sent = json.loads((tmp_path / "sb" / "session-j" / sandbox.id).read_text())
+    assert sent == {
+        "session_id": "session-j", "sandbox_id": sandbox.id, "driver": "sh-files",
+        "request": spec.to_dict(), "gpus": [{"uuid": gpu1.uuid, "id": "1"}],
+    }  # fmt: skip
+    with pytest.raises(ManifestError, match="requestOnStdin"):
+        parse({**yaml.safe_load(EXAMPLE_JSONL.read_text()), "requestOnStdin": True})
