@@ -202,6 +202,11 @@ bench-workloads: venv host-packages
 	$(BIN)/python -m bench.workloads $(BENCH_ARGS)
 
 # How fast `gpu-sandbox spec` starts, beside `python -c pass` (docs/cli.md: Try a driver by hand).
+# The external adapter's per-operation overhead against the reference driver (bench/external.py).
+.PHONY: bench-external
+bench-external: venv host-packages
+	$(BIN)/python -m bench.external $(BENCH_ARGS)
+
 .PHONY: bench-cli
 bench-cli: venv
 	$(BIN)/python -m bench.cli $(BENCH_ARGS)
