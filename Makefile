@@ -207,6 +207,12 @@ bench-workloads: venv host-packages
 bench-external: venv host-packages
 	$(BIN)/python -m bench.external $(BENCH_ARGS)
 
+# Where each lane's wall time goes: CPU of the suite and of the engines, idle share, the
+# slowest tests (bench/profile.py; BENCH_ARGS=--lanes=reference,vm --runs=1).
+.PHONY: bench-profile
+bench-profile: venv host-packages
+	$(VM_IMAGE_ENV) $(BIN)/python -m bench.profile $(BENCH_ARGS)
+
 .PHONY: bench-cli
 bench-cli: venv
 	$(BIN)/python -m bench.cli $(BENCH_ARGS)
