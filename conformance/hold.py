@@ -16,11 +16,14 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -191,6 +194,37 @@ class HeldSandbox:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
+"""The lease protocol's client in POSIX sh, shipped with the host layer."""
+HOLD_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]) -> Iterator[None]:
+    """The sh client holds ``gpus`` in the host's registry for as long as the block runs."""
+    if not shutil.which("jq") or not shutil.which("flock"):
+        pytest.fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
+    directory = host.leases.directory
+    process = subprocess.Popen(
+        ["sh", str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
+         "--session", session_id, "--sandbox", f"sh-{time.time_ns()}",
+         *(gpu.uuid for gpu in gpus), "--", "sleep", "3600"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        wanted = {gpu.uuid for gpu in gpus}
+        while not wanted <= {lease.gpu_uuid for lease in host.leases.leases()}:
+            if process.poll() is not None or time.monotonic() > deadline:
+                _, stderr = process.communicate()
+                pytest.fail(f"the sh client could not hold {sorted(wanted)}: {stderr.strip()}")
+            time.sleep(0.02)
+        yield
+    finally:
+        process.kill()
+        process.wait()
 
 
 def refused_to_another_client(host: GpuHost, session_id: str, gpu: GpuDevice) -> DriverError | None:

@@ -13,20 +13,17 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
-from importlib import resources
 from pathlib import Path
 from uuid import uuid4
 
 import pytest
 
 from conformance.fixtures import SandboxFactory
-from conformance.hold import RUN_HOLDER, HeldSandbox, close_all
+from conformance.hold import RUN_HOLDER, HeldSandbox, close_all, held_by_the_sh_client
 from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
 from conformance.settings import Settings
 from drivers.base import Driver
@@ -42,36 +39,6 @@ from gpuhost.leases import (
     process_start_time,
 )
 from gpuhost.spec import SandboxSpec
-
-LEASE_CLIENT = resources.files("gpuhost") / "gpu-lease"
-"""The lease protocol's client in POSIX sh, shipped with the host layer."""
-HOLD_TIMEOUT_S = 30.0
-
-
-@contextmanager
-def _held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]) -> Iterator[None]:
-    """The sh client holds ``gpus`` in the host's registry for as long as the block runs."""
-    if not shutil.which("jq") or not shutil.which("flock"):
-        pytest.fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
-    directory = host.leases.directory
-    process = subprocess.Popen(
-        ["sh", str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
-         "--session", session_id, "--sandbox", f"sh-{time.time_ns()}",
-         *(gpu.uuid for gpu in gpus), "--", "sleep", "3600"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + HOLD_TIMEOUT_S
-        wanted = {gpu.uuid for gpu in gpus}
-        while not wanted <= {lease.gpu_uuid for lease in host.leases.leases()}:
-            if process.poll() is not None or time.monotonic() > deadline:
-                _, stderr = process.communicate()
-                pytest.fail(f"the sh client could not hold {sorted(wanted)}: {stderr.strip()}")
-            time.sleep(0.02)
-        yield
-    finally:
-        process.kill()
-        process.wait()
 
 
 @contextmanager
@@ -136,7 +103,7 @@ def test_gpus_held_through_the_host_registry_are_never_granted(
     share = [held[i::kinds] for i in range(kinds)]
     with ExitStack() as holders:
         # The host's own registry, whatever the driver under test made of it.
-        holders.enter_context(_held_by_the_sh_client(settings.host, driver.session_id, share[0]))
+        holders.enter_context(held_by_the_sh_client(settings.host, driver.session_id, share[0]))
         holders.enter_context(_held_under_a_kind_of_its_own(settings.host, share[1]))
         reference = ReferenceDriver(settings.host, driver.session_id)
         holders.enter_context(_held_by_other_processes(settings, reference, share[2]))

@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from conformance.fixtures import SandboxFactory
-from conformance.hold import HeldSandbox, refused_to_another_client
+from conformance.hold import HeldSandbox, held_by_the_sh_client, refused_to_another_client
 from conformance.observe import (
     device_nodes,
     expect_refusal,
@@ -273,3 +273,12 @@ def test_a_gpu_and_its_instances_exclude_each_other(
     whole.close()
     again = sandboxes(_exact(driver, driver.device_ids(instance)[0]))
     assert uuids(again) == [instance.uuid], "the instance did not come back"
+    again.close()
+    # The GPU whole, held by another client of the host's registry: none of its instances.
+    with held_by_the_sh_client(settings.host, driver.session_id, [parent]):
+        for mig in migs:
+            for device_id in driver.device_ids(mig):
+                with pytest.raises(GpuBusy):
+                    sandboxes(_exact(driver, device_id))
+        with pytest.raises(GpusExhausted):
+            sandboxes(_profile(driver, migs[0].profile, every))

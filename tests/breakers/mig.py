@@ -10,16 +10,17 @@ import contextlib
 import dataclasses
 import os
 import stat
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
 from gpuhost.host import GpuHost
-from gpuhost.leases import Holder, Lease, LeaseOwner
+from gpuhost.leases import Holder, Lease, LeaseOwner, _Held
 from gpuhost.spec import GpuPlan
 from tests.breakers.base import BrokenDriver, BrokenRegistry, with_binds
 from tests.breakers.visibility import OmitsUvmNode
@@ -227,3 +228,59 @@ class GrantsGpuWithItsOwnInstance(BrokenDriver):
         index = self.device_index()
         chosen = {gpu.uuid: gpu for device_id in plan.device_ids for gpu in index[device_id]}
         return tuple(chosen.values())
+
+
+class _OwnWholeGpusOnlyRegistry(BrokenRegistry):
+    """Judges a request against other clients' leases on GPUs in MIG mode as if they were not.
+
+    "Only we take a GPU in MIG mode whole": its instances are refused while this driver holds
+    the GPU, and granted while another client (the sh client, another driver) does.
+    """
+
+    def __init__(self, directory: Path, in_mig_mode: frozenset[str]) -> None:
+        super().__init__(directory)
+        self._in_mig_mode = in_mig_mode
+        self._asking = threading.local()
+
+    @classmethod
+    def replacing(cls, host: GpuHost) -> Self:
+        in_mig_mode = frozenset(gpu.uuid for gpu in host.gpus if gpu.mig_enabled)
+        return cls(host.leases.directory, in_mig_mode)
+
+    def acquire(
+        self, inventory: Sequence[GpuDevice], owner: LeaseOwner, **request: Any
+    ) -> tuple[GpuDevice, ...]:
+        self._asking.driver = owner.driver
+        try:
+            return super().acquire(inventory, owner, **request)
+        finally:
+            self._asking.driver = None
+
+    @contextlib.contextmanager
+    def _locked(self, reclaim: bool = True, drop: Collection[Lease] = ()) -> Iterator[_Held]:
+        asking = getattr(self._asking, "driver", None)
+        with super()._locked(reclaim, drop) as held:
+            if asking is None:
+                yield held
+                return
+            yield _Unseen(held.mine, held.others, lambda lease: (
+                lease.driver != asking and lease.gpu_uuid in self._in_mig_mode
+            ))  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Unseen(_Held):
+    """The leases under the lock, but those ``unseen`` picks are left out of ``all``."""
+
+    unseen: Callable[[Lease], bool] = lambda lease: False
+
+    @property
+    def all(self) -> list[Lease]:
+        return [lease for lease in super().all if not self.unseen(lease)]
+
+
+class InstancesBlindToOtherClientsWholeGpus(BrokenDriver):
+    """MIG-EXCLUSIVE-01: an instance is refused while this driver holds its GPU whole, only."""
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    LEASES = _OwnWholeGpusOnlyRegistry
