@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO, TypeVar
 
 T = TypeVar("T")
@@ -18,6 +18,18 @@ PROGRESS_AFTER_S = 2.0
 """Creating, reaping and probing take milliseconds; two seconds means something is slow."""
 PROGRESS_EVERY_S = 5.0
 """Often enough to show the run is alive, rarely enough not to flood a CI log."""
+FIRST_INTERVAL_S = 0.001
+"""A wait looks again after a millisecond, then twice as late each time, up to its interval:
+most things waited for are done within milliseconds, and a fixed 50 ms would wait out most
+of an interval each time for nothing."""
+
+
+def intervals(cap_s: float) -> Iterator[float]:
+    """How long a wait sleeps between looks: from a millisecond, doubling, up to ``cap_s``."""
+    interval = min(FIRST_INTERVAL_S, cap_s)
+    while True:
+        yield interval
+        interval = min(interval * 2, cap_s)
 
 
 class Progress:
@@ -65,8 +77,10 @@ def wait_until(
     Only the errors named are retried: any other is raised at once. ``what`` completes
     "waiting for ...". Raises ``TimeoutError`` naming ``what``, the time waited, the last
     error and ``hint`` (what to look at); says on stderr what it waits for once it lasts.
+    ``interval_s`` is the longest sleep between attempts (``intervals``).
     """
     progress = Progress(what)
+    sleeps = intervals(interval_s)
     while True:
         try:
             return attempt()
@@ -79,7 +93,7 @@ def wait_until(
                     + (f". Hint: {hint}" if hint else "")
                 ) from exc
         progress.tick()
-        time.sleep(interval_s)
+        time.sleep(next(sleeps))
 
 
 def wait_for(
@@ -94,9 +108,11 @@ def wait_for(
     """Observe until ``done(observed)``; return what was observed last.
 
     Raises ``TimeoutError`` naming ``what``, the time waited, the last observation and
-    ``hint``. Errors of ``observe`` are not retried: they are raised at once.
+    ``hint``. Errors of ``observe`` are not retried: they are raised at once. ``interval_s``
+    is the longest sleep between looks (``intervals``).
     """
     progress = Progress(what)
+    sleeps = intervals(interval_s)
     while True:
         observed = observe()
         if done(observed):
@@ -108,4 +124,4 @@ def wait_for(
                 + (f". Hint: {hint}" if hint else "")
             )
         progress.tick()
-        time.sleep(interval_s)
+        time.sleep(next(sleeps))

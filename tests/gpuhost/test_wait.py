@@ -101,3 +101,13 @@ def test_wait_for_gives_up_with_the_last_observation_and_a_hint() -> None:
             interval_s=0.01,
         )
     assert "(last seen: ['sandbox-1']). Hint: kill them by hand" in str(excinfo.value)
+
+
+def test_a_wait_looks_again_after_a_millisecond_then_backs_off_to_its_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("gpuhost.wait.time.sleep", slept.append)
+    looks = iter(range(10))
+    assert wait_for(lambda: next(looks), lambda n: n == 9, timeout_s=60, what="n") == 9
+    assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
