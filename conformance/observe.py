@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conformance.bounds import unpaced
 from drivers.base import Driver, Sandbox
-from gpuhost.devices import DRM_MAJORS, NVIDIA_GPU_MAJORS
+from gpuhost.devices import DRM_MAJORS, NVIDIA_GPU_MAJORS, GpuDevice
 from gpuhost.errors import GpuAllocationError, GpusExhausted, RequestError
 from gpuhost.simulated import SANDBOX_SHARE
 from gpuhost.spec import SandboxSpec
@@ -354,6 +354,20 @@ def create_side_by_side(
     with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
         attempts = [pool.submit(create, spec) for spec in specs]
     return [attempt.result() for attempt in attempts]
+
+
+def exact_ids(driver: Driver, device: GpuDevice) -> list[str]:
+    """The IDs to ask ``device`` by: the driver's own, and the host's in a form it takes.
+
+    Where the driver takes CDI names, it must take those of the host's CDI spec
+    (``device.cdi_names``: by index, ``<gpu>:<instance>`` for a MIG instance, and by UUID),
+    not only the ones it lists: a driver that numbers them its own way agrees with itself.
+    The driver's own may have mislabelled the device; the host's name it by what it is.
+    """
+    own = list(driver.device_ids(device))
+    if not any(i.startswith(f"{device.cdi_kind}=") for i in own):
+        return own
+    return [*own, *(name for name in device.cdi_names if name not in own)]
 
 
 def kill_and_retake(

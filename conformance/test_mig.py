@@ -10,6 +10,7 @@ from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox, held_by_the_sh_client, refused_to_another_client
 from conformance.observe import (
     device_nodes,
+    exact_ids,
     expect_refusal,
     foreign_gpu_nodes,
     nvidia_gpu_nodes,
@@ -75,7 +76,7 @@ def test_exact_mig_instances_are_given_exactly(driver: Driver, sandboxes: Sandbo
     instances = _instances(driver)
     by_gpu = _by_gpu(instances)
     last = instances[-1]  # not only the first instance of the first GPU
-    for device_id in driver.device_ids(last):
+    for device_id in exact_ids(driver, last):
         sandbox = sandboxes(_exact(driver, device_id))
         _assert_sees_exactly([last], sandbox, f"asked for {device_id}")
         sandbox.close()

@@ -9,7 +9,13 @@ import pytest
 from conformance import requirements
 from conformance.fixtures import SandboxFactory
 from conformance.hold import HeldSandbox
-from conformance.observe import create_side_by_side, describe_gpus, uuids, visible_gpu_uuids
+from conformance.observe import (
+    create_side_by_side,
+    describe_gpus,
+    exact_ids,
+    uuids,
+    visible_gpu_uuids,
+)
 from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
@@ -123,7 +129,7 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
             )
 
     def every_form(gpu: GpuDevice) -> None:
-        for device_id in driver.device_ids(gpu):
+        for device_id in exact_ids(driver, gpu):
             one(gpu, device_id)
 
     def mixed(pair: tuple[GpuDevice, GpuDevice], form: int) -> None:

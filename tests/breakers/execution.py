@@ -271,3 +271,14 @@ class ForcesCudaVisibleDevices(BrokenDriver):
         if nvidia:
             sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
         return sandbox
+
+
+class ForwardsGpuKnobs(BrokenDriver):
+    """SANDBOX-ENV-01: the creator's CUDA_, NVIDIA_, NCCL_ and TORCH_ variables reach inside."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        knobs = ("CUDA_", "NVIDIA_", "NCCL_", "TORCH_")  # "the host's GPU tuning, forwarded"
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(knobs)}
+        return {**forwarded, **super().sandbox_env(extra)}

@@ -38,6 +38,18 @@ class MigByGpuOnly(BrokenDriver):
         return tuple(first[gpu.parent_uuid] if gpu.is_mig else gpu for gpu in super().resolve(plan))
 
 
+class MigCdiIndexFromOne(BrokenDriver):
+    """MIG-EXACT-01: ``<kind>=<gpu>:<n>`` counts instances from 1, consistently with itself."""
+
+    BREAKS = "MIG-EXACT-01"
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        if not gpu.is_mig:
+            return super().device_ids(gpu)
+        assert gpu.mig_index is not None
+        return (gpu.uuid, f"{gpu.cdi_kind}={gpu.index}:{gpu.mig_index + 1}", gpu.cdi_names[1])
+
+
 class MigAsWholeGpu(BrokenDriver):
     """MIG-PROFILE-01: counts and defaults choose among every GPU, those in MIG mode too."""
 
