@@ -115,3 +115,14 @@ class GrantsTheFreeOnes(BrokenDriver):
         wanted = [gpu for gpu in self.resolve(plan) if gpu.uuid not in held]
         owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
         return self.host.leases.acquire(self.inventory(), owner, exact=wanted or ())
+
+
+class CdiIndexFromOne(BrokenDriver):
+    """GPU-EXACT-01: a GPU's CDI name by index counts from 1, consistently with itself."""
+
+    BREAKS = "GPU-EXACT-01"
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        if gpu.is_mig or gpu.vendor != "nvidia":
+            return super().device_ids(gpu)
+        return (str(gpu.index), gpu.uuid, f"{gpu.cdi_kind}={gpu.index + 1}", gpu.cdi_names[1])
