@@ -9,8 +9,6 @@ import json
 import os
 import time
 
-import pytest
-
 TIMELINE_ENV = "GPU_SANDBOX_TIMELINE"
 _began: dict[str, float] = {}
 
@@ -25,8 +23,3 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str])
         with open(path, "a", encoding="utf-8") as timeline:
             line = {"nodeid": nodeid, "start": _began.pop(nodeid), "end": time.time()}
             timeline.write(json.dumps(line) + "\n")
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_configure(config: pytest.Config) -> None:
-    _began.clear()

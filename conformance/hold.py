@@ -26,13 +26,10 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytest
-
-from conformance.bounds import Pace
+from conformance.bounds import fail
 from conformance.observe import describe_gpus, visible_gpu_uuids
-from conformance.settings import Settings
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
@@ -41,6 +38,10 @@ from gpuhost.errors import DriverError
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import DEFAULT_SHARE_LIMIT, PROCESS, Holder, liveness_check, register_liveness
 from gpuhost.spec import SandboxSpec, parse_spec
+
+if TYPE_CHECKING:
+    from conformance.bounds import Pace
+    from conformance.settings import Settings
 
 REPLY_TIMEOUT_S = 60.0
 """A holder imports the driver and creates one sandbox; a minute means it is stuck."""
@@ -127,11 +128,8 @@ class HeldSandbox:
                 left = went + bound - time.monotonic()
                 if left <= 0:
                     self.kill()
-                    pytest.fail(
-                        pace.late(self._what, bound, 0.0, "a request it cannot grant must be "
-                                  "refused, not waited on"),
-                        pytrace=False,
-                    )  # fmt: skip
+                    expected = "a request it cannot grant must be refused, not waited on"
+                    fail(pace.late(self._what, bound, 0.0, expected))
                 if self._replied(min(left, 1.0)):
                     return self._read()
         finally:
@@ -205,7 +203,7 @@ HOLD_TIMEOUT_S = 30.0
 def held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice]) -> Iterator[None]:
     """The sh client holds ``gpus`` in the host's registry for as long as the block runs."""
     if not shutil.which("jq") or not shutil.which("flock"):
-        pytest.fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
+        fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
     directory = host.leases.directory
     process = subprocess.Popen(
         ["sh", str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
@@ -219,7 +217,7 @@ def held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice])
         while not wanted <= {lease.gpu_uuid for lease in host.leases.leases()}:
             if process.poll() is not None or time.monotonic() > deadline:
                 _, stderr = process.communicate()
-                pytest.fail(f"the sh client could not hold {sorted(wanted)}: {stderr.strip()}")
+                fail(f"the sh client could not hold {sorted(wanted)}: {stderr.strip()}")
             time.sleep(0.02)
         yield
     finally:
