@@ -15,6 +15,8 @@ SIM_MIG ?= 0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb
 SIM_DRI ?= intel:1,amd:2
 REPORTS := reports
 PYTEST_ARGS ?=
+# How many lanes make conformance runs at once on a simulated host (docs/benchmarks.md).
+LANE_JOBS ?= 2
 
 ENGINES := scripts/engines.sh
 VM_IMAGE := scripts/vm-image.sh
@@ -132,13 +134,16 @@ vm-lane:
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory vm-image || true; fi
 
 # Prints the matrix and one verdict per driver; writes the reports (README: Reports). A real
-# GPU (nvidia-smi lists one) is used as it is; otherwise the run makes a simulated host of
-# its own (--sim-gpus), registered with the container engines, and removes it at the end.
+# GPU (nvidia-smi lists one) is used as it is, by one pytest run; otherwise each lane (driver)
+# is a run of its own with a simulated host of its own (--sim-gpus), registered with the
+# container engines and removed at its end, LANE_JOBS lanes at once (python -m
+# conformance.lanes: each lane's output in reports/lanes/), their reports merged.
 conformance: venv host-packages vm-lane gosandbox
 	@mkdir -p $(REPORTS)
 	@sim=""; nvidia-smi -L >/dev/null 2>&1 || \
 	  sim="--sim-gpus=$(SIM_GPUS) --sim-mig=$(SIM_MIG) --sim-dri=$(SIM_DRI)"; \
-	$(VM_IMAGE_ENV) $(BIN)/pytest conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
+	$(VM_IMAGE_ENV) $(BIN)/python -m conformance.lanes --jobs=$(LANE_JOBS) \
+	  conformance workloads $$sim --junitxml=$(REPORTS)/conformance.xml \
 	  --conformance-json=$(REPORTS)/conformance.json \
 	  --conformance-html=$(REPORTS)/conformance.html \
 	  --conformance-markdown=$(REPORTS)/conformance.md $(PYTEST_ARGS)
@@ -212,6 +217,12 @@ bench-external: venv host-packages
 .PHONY: bench-profile
 bench-profile: venv host-packages
 	$(VM_IMAGE_ENV) $(BIN)/python -m bench.profile $(BENCH_ARGS)
+
+# The five lanes in one pytest run against python -m conformance.lanes side by side, medians
+# of rounds (bench/lanes.py; BENCH_ARGS=--runs=3 --jobs=2,3).
+.PHONY: bench-lanes
+bench-lanes: venv host-packages
+	$(VM_IMAGE_ENV) $(BIN)/python -m bench.lanes $(BENCH_ARGS)
 
 .PHONY: bench-cli
 bench-cli: venv

@@ -83,7 +83,7 @@ def _engine_daemons() -> dict[int, int]:
     return found
 
 
-def _sample(samples: Samples, stop: threading.Event) -> None:
+def sample_machine(samples: Samples, stop: threading.Event) -> None:
     cores = os.cpu_count() or 1
     before, then = _cpu_ticks(), time.time()
     for pid, ticks in _engine_daemons().items():
@@ -120,7 +120,7 @@ def profile_lane(lane: str, extra: list[str]) -> LaneProfile:
         ]  # fmt: skip
         env = {**os.environ, TIMELINE_ENV: str(timeline)}
         samples, stop = Samples(), threading.Event()
-        sampler = threading.Thread(target=_sample, args=(samples, stop), daemon=True)
+        sampler = threading.Thread(target=sample_machine, args=(samples, stop), daemon=True)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         sampler.start()
         start = time.time()

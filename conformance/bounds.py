@@ -5,10 +5,11 @@ that outlives its own timeout, a close that never returns: each would otherwise 
 until the per-test bound (900 s), with no requirement named, and a run of the catalogue would
 take hours. The bound follows the driver's own pace, one per operation: a few times the
 slowest such call of its lane so far (each call's time divided by the calls in flight
-beside it: side by side, they share the host), times the calls in flight now, plus the grace
-the driver declares (``Driver.exhaustion_grace_s``) and a margin; an exec's bound adds the
-command's own timeout. A call past its bound
-fails the test, saying what it waited for; if a create returns later, what it made is closed
+beside it: side by side, they share the host), times the calls in flight now, times the
+lanes sharing the machine (``--lanes-at-once``: one starting beside this one slows every
+call), plus the grace the driver declares (``Driver.exhaustion_grace_s``) and a margin; an
+exec's bound adds the command's own timeout. A call past its bound fails the test, saying
+what it waited for; if a create returns later, what it made is closed
 at once, so that nothing it took is held behind the run's back.
 """
 
@@ -72,12 +73,20 @@ class Pace:
     """The pace of one driver's calls of one kind in this run, and the bound of the next."""
 
     def __init__(
-        self, driver: str, operation: str, grace_s: float, first_from: Pace | None = None
+        self,
+        driver: str,
+        operation: str,
+        grace_s: float,
+        first_from: Pace | None = None,
+        lanes_at_once: int = 1,
     ) -> None:
         self.driver = driver
         self.operation = operation
         self.grace_s = grace_s
         self.first_from = first_from
+        self.lanes_at_once = lanes_at_once
+        """Runs sharing the machine (``conformance.lanes --jobs``): as they start and end, a
+        call may be that many times slower than the slowest so far."""
         """Whose pace bounds a first call of this kind: an exec's or a close's, the creates'."""
         self.slowest_s: float | None = None
         """The slowest call so far, its time divided by the calls in flight beside it."""
@@ -96,7 +105,8 @@ class Pace:
             slowest = self.first_from.slowest_s
         if slowest is None:
             return own_timeout_s + FIRST_CALL_BOUND_S
-        return own_timeout_s + SLOWEST_FACTOR * slowest * in_flight + self.grace_s + SLACK_S
+        factor = SLOWEST_FACTOR * in_flight * self.lanes_at_once
+        return own_timeout_s + factor * slowest + self.grace_s + SLACK_S
 
     def call(
         self,
@@ -195,6 +205,8 @@ class Pace:
                 f"{paced.slowest_s:.1f} s, per {self.operation} in flight, plus its grace of "
                 f"{self.grace_s:g} s and {SLACK_S:g} s"
             )
+            if self.lanes_at_once > 1:
+                how = f"{how}; the slowest times the {self.lanes_at_once} lanes at once"
         if own_timeout_s:
             how = f"the command's own timeout of {own_timeout_s:g} s, plus {how}"
         return f"the {self.driver} driver's {what} did not return within {bound:.1f} s ({how})" + (
@@ -208,11 +220,13 @@ class DriverPace:
 
     driver: str
     grace_s: float
+    lanes_at_once: int = 1
     create: Pace = field(init=False)
     exec: Pace = field(init=False)
     close: Pace = field(init=False)
 
     def __post_init__(self) -> None:
-        self.create = Pace(self.driver, "create", self.grace_s)
-        self.exec = Pace(self.driver, "exec", self.grace_s, first_from=self.create)
-        self.close = Pace(self.driver, "close", self.grace_s, first_from=self.create)
+        grace, lanes = self.grace_s, self.lanes_at_once
+        self.create = Pace(self.driver, "create", grace, lanes_at_once=lanes)
+        self.exec = Pace(self.driver, "exec", grace, self.create, lanes)
+        self.close = Pace(self.driver, "close", grace, self.create, lanes)

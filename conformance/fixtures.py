@@ -134,7 +134,9 @@ def _gpu_test(request: pytest.FixtureRequest, settings: Settings) -> Iterator[No
         pytest.skip(f"needs {marker.args[0]} GPUs (host has {have})")
     before = {lease.sandbox_id for lease in driver.host.leases.leases()}
     grace = exhaustion_grace(driver, settings)
-    pace = settings.paces.setdefault(driver.name, DriverPace(driver.name, grace))
+    pace = settings.paces.setdefault(
+        driver.name, DriverPace(driver.name, grace, settings.lanes_at_once)
+    )
     with _every_sandbox_created(type(driver), pace) as made:
         yield
     try:

@@ -68,6 +68,7 @@ class HeldSandbox:
         self._what = what
         self._pace = pace
         self._went: float | None = None
+        self._bound = 0.0
 
     @classmethod
     def start(
@@ -111,6 +112,7 @@ class HeldSandbox:
         if self._pace is not None:
             self._pace.started()
             self._went = time.monotonic()
+            self._bound = self._pace.bound_s()  # with every create in flight now
 
     def result(self) -> dict[str, Any]:
         """The holder's reply: ``ok`` with its sandbox and GPUs, or the error it got.
@@ -121,17 +123,19 @@ class HeldSandbox:
         __tracebackhide__ = True
         if self._pace is None or self._went is None:
             return self._read()
-        pace, went = self._pace, self._went
+        pace, went, bound = self._pace, self._went, self._bound
         try:
             while True:
-                bound = pace.bound_s()
+                # The bound grows while other creates join, and never shrinks as they end:
+                # this create may have waited behind them.
+                bound = max(bound, pace.bound_s())
                 left = went + bound - time.monotonic()
+                if self._replied(max(0.0, min(left, 1.0))):  # in time, if read late
+                    return self._read()
                 if left <= 0:
                     self.kill()
                     expected = "a request it cannot grant must be refused, not waited on"
                     fail(pace.late(self._what, bound, 0.0, expected))
-                if self._replied(min(left, 1.0)):
-                    return self._read()
         finally:
             self._went = None
             pace.finished()

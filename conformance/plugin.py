@@ -52,6 +52,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "built-in driver, skipping those that cannot run here; a driver named here must run.",
     )
     group.addoption(
+        "--lane",
+        default=None,
+        metavar="NAME",
+        help="Run one built-in driver as the default run would (skipped, with what it "
+        "needed, where it cannot run), as one lane of a run that python -m conformance.lanes "
+        "splits by driver: whether anything ran at all is judged over the whole run.",
+    )
+    group.addoption(
+        "--lanes-at-once",
+        type=int,
+        default=1,
+        metavar="N",
+        help="How many runs share this machine (set by python -m conformance.lanes): each "
+        "create, exec and close is bounded by N times the pace of its driver's so far.",
+    )
+    group.addoption(
         "--sim-root",
         type=Path,
         default=None,

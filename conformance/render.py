@@ -36,6 +36,21 @@ def gpus_line(results: Results) -> str:
     return f"{header['gpu_count']} x {header['gpu_model']} ({kind})"
 
 
+NOTHING_RAN = "FAIL: no driver could run here; every conformance test was skipped."
+
+
+def matrix_lines(results: Results) -> list[str]:
+    """The terminal's summary: the host, the drivers with their versions, the matrix."""
+    lines = [f"GPU host: {results.header['host']}"]
+    if results.header["simulated"]:
+        lines.append("These results used SIMULATED GPUs.")
+    versions = [
+        f"{name} ({info['version']})" if info["version"] else name
+        for name, info in results.drivers.items()
+    ]
+    return [*lines, f"drivers: {', '.join(versions)}", *text_table(results)]
+
+
 def text_table(results: Results) -> list[str]:
     drivers = list(results.drivers)
     first = max(len("requirement"), *(len(req) for req in results.cells)) + 2

@@ -24,7 +24,7 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
@@ -261,6 +261,30 @@ class Results:
             drivers=document["drivers"],
             requirements=document["requirements"],
             tests=document["tests"],
+        )
+
+    @classmethod
+    def merged(cls, parts: Sequence[Results]) -> Results:
+        """One run's results from its lanes' (``conformance.lanes``), in the lanes' order.
+
+        The header is the first lane's, its session each lane's in turn (and its host, when
+        each lane had a simulated host of its own, says so); a requirement's levels are each
+        lane's for its own drivers.
+        """
+        first = parts[0]
+        sessions = ", ".join(str(part.header["session"]) for part in parts)
+        host = str(first.header["host"])
+        if len({part.header["host"] for part in parts}) > 1:
+            host += f"; each of the {len(parts)} lanes had a host like it of its own"
+        levels: dict[str, dict[str, str]] = {}
+        for part in parts:
+            for row in part.requirements:
+                levels.setdefault(str(row["id"]), {}).update(row["levels"])
+        return cls(
+            header={**first.header, "session": sessions, "host": host},
+            drivers={name: info for part in parts for name, info in part.drivers.items()},
+            requirements=[{**row, "levels": levels[str(row["id"])]} for row in first.requirements],
+            tests=[test for part in parts for test in part.tests],
         )
 
 

@@ -27,6 +27,8 @@ class Settings:
     exhaustion_grace_s: float | None
     """How much longer than a create an exhausted request may take to fail; None: the
     driver's own ``exhaustion_grace_s``."""
+    lanes_at_once: int = 1
+    """Runs sharing the machine with this one (``--lanes-at-once``): the bounds allow for them."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Driver → why it cannot run here, once its probe said so (in this process)."""
     paces: dict[str, DriverPace] = field(default_factory=dict)
@@ -48,8 +50,16 @@ def settings_from(config: pytest.Config) -> Settings:
     """The settings of the options; a worker's session and simulated host are its controller's."""
     options: list[str] = config.getoption("--driver") or []
     names = list(dict.fromkeys(n.strip() for o in options for n in o.split(",") if n.strip()))
+    lane = config.getoption("--lane")
+    if lane is not None and (names or lane not in REGISTRY):
+        raise pytest.UsageError(
+            f"--lane={lane}: one built-in driver ({', '.join(REGISTRY)}), without --driver"
+        )
+    if config.getoption("--lanes-at-once") < 1:
+        raise pytest.UsageError("--lanes-at-once: at least 1")
+    chosen = names or ([lane] if lane else list(REGISTRY))
     try:
-        drivers = {name: get_driver_class(name) for name in names or REGISTRY}
+        drivers = {name: get_driver_class(name) for name in chosen}
     except UnknownDriver as exc:
         raise pytest.UsageError(str(exc)) from None
     return Settings(
@@ -64,6 +74,7 @@ def settings_from(config: pytest.Config) -> Settings:
         image=config.getoption("--image"),
         reclaim_timeout_s=config.getoption("--reclaim-timeout"),
         exhaustion_grace_s=config.getoption("--exhaustion-grace"),
+        lanes_at_once=config.getoption("--lanes-at-once"),
     )
 
 

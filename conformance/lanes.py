@@ -1,0 +1,310 @@
+"""The catalogue a lane at a time, lanes side by side, their reports merged into one run's.
+
+    python -m conformance.lanes [--jobs N] PYTEST_ARGS...
+
+Where the run makes a simulated host of its own (``--sim-gpus``) and names no driver, each
+built-in driver is a lane: a pytest run of its own (``--lane=NAME``) with a simulated host of
+its own, up to ``--jobs`` at once, the longest first. Their JSON and JUnit reports are merged
+into the paths the arguments name (``--conformance-json``, ``-html``, ``-markdown``,
+``--junitxml``), as one run would have written them, and each lane's output is kept in
+``NAME.log`` under ``--lane-dir``. On two cores, one lane's engine waits overlap another's
+work (docs/benchmarks.md, "Lanes side by side").
+
+Anywhere else it is one pytest run with the same arguments: real GPUs would be shared by the
+lanes (each expects the host's free GPUs to be its own), and named drivers, ``--sim-root``,
+``--reap`` or ``--collect-only`` ask for one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from conformance.render import NOTHING_RAN, matrix_lines, to_markdown, write
+from conformance.report import Results
+from drivers import REGISTRY
+
+DEFAULT_JOBS = 2
+LONGEST_FIRST = ("kubernetes", "vm", "docker", "podman", "reference")
+"""The built-in lanes by their wall time on the gate's layout (make bench-profile); a lane
+not listed (a driver added since) starts first, its time unknown."""
+ONE_RUN_OPTIONS = (
+    "--driver", "--sim-root", "--reap", "--collect-only", "--co", "--lane", "--lanes-at-once",
+)  # fmt: skip
+STOP_WAIT_S = 300.0
+"""How long an interrupted lane has to remove its sandboxes before it is killed."""
+
+
+@dataclass
+class Lane:
+    name: str
+    directory: Path
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.directory / f"{self.name}.log"
+
+    @property
+    def json(self) -> Path:
+        return self.directory / f"{self.name}.json"
+
+    @property
+    def junit(self) -> Path:
+        return self.directory / f"{self.name}.xml"
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
+    def start(self, pytest_args: Sequence[str], env: dict[str, str], at_once: int) -> None:
+        for stale in (self.json, self.junit):
+            stale.unlink(missing_ok=True)
+        command = [
+            sys.executable, "-m", "pytest", *pytest_args, f"--lane={self.name}",
+            f"--lanes-at-once={at_once}",
+            f"--conformance-json={self.json}", f"--junitxml={self.junit}",
+            "-o", f"junit_suite_name=conformance-{self.name}",
+        ]  # fmt: skip
+        with self.log.open("wb") as log:
+            # A session of its own: a Ctrl-C reaches this runner alone, which hands each lane
+            # one SIGINT, so that no second one cuts its teardown short.
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.started = time.monotonic()
+
+    def results(self) -> Results | None:
+        try:
+            return Results.from_json(json.loads(self.json.read_text()))
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m conformance.lanes",
+        description="Run the catalogue a lane (a built-in driver) at a time, lanes side by "
+        "side on simulated hosts of their own, and merge their reports. Other arguments "
+        "are pytest's.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="lanes at once")
+    parser.add_argument(
+        "--lanes",
+        help="which built-in drivers, comma-separated (default: all); each is skipped, as in "
+        "one run, where it cannot run here",
+    )
+    parser.add_argument("--lane-dir", type=Path, help="each lane's log and reports")
+    parser.add_argument("--conformance-json", type=Path)
+    parser.add_argument("--conformance-html", type=Path)
+    parser.add_argument("--conformance-markdown", type=Path)
+    parser.add_argument("--junitxml", "--junit-xml", dest="junitxml", type=Path)
+    args, pytest_args = parser.parse_known_args(None if argv is None else list(argv))
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, not {args.jobs}")
+    names = [name.strip() for name in (args.lanes or ",".join(REGISTRY)).split(",")]
+    if not all(name in REGISTRY for name in names):
+        parser.error(f"--lanes={args.lanes}: built-in drivers are {', '.join(REGISTRY)}")
+    if not _splits(pytest_args):
+        if args.lanes is not None:
+            parser.error(
+                "--lanes: lanes are runs of their own only on a simulated host of "
+                "their own (--sim-gpus), without --driver"
+            )
+        return _one_run(pytest_args, args)
+    directory = args.lane_dir or _default_lane_dir(args)
+    directory.mkdir(parents=True, exist_ok=True)
+    lanes = [Lane(name, directory) for name in names]
+    _say(
+        f"{len(lanes)} lanes, {min(args.jobs, len(lanes))} at a time, each on a simulated "
+        f"host of its own; their output in {directory}/<lane>.log"
+    )
+    _run(lanes, pytest_args, args.jobs)
+    return _report(lanes, args)
+
+
+def _splits(pytest_args: Sequence[str]) -> bool:
+    def given(option: str) -> bool:
+        return any(arg == option or arg.startswith(f"{option}=") for arg in pytest_args)
+
+    return given("--sim-gpus") and not any(given(option) for option in ONE_RUN_OPTIONS)
+
+
+def _one_run(pytest_args: Sequence[str], args: argparse.Namespace) -> int:
+    reports = [
+        f"{option}={path}"
+        for option, path in (
+            ("--conformance-json", args.conformance_json),
+            ("--conformance-html", args.conformance_html),
+            ("--conformance-markdown", args.conformance_markdown),
+            ("--junitxml", args.junitxml),
+        )
+        if path is not None
+    ]
+    return subprocess.call([sys.executable, "-m", "pytest", *pytest_args, *reports])
+
+
+def _default_lane_dir(args: argparse.Namespace) -> Path:
+    beside: Path | None = args.conformance_json or args.junitxml
+    if beside is not None:
+        return beside.parent / "lanes"
+    return Path(tempfile.mkdtemp(prefix="gpu-sandbox-lanes-"))
+
+
+def _say(line: str) -> None:
+    print(f"lanes: {line}", flush=True)  # noqa: T201
+
+
+def _run(lanes: list[Lane], pytest_args: Sequence[str], jobs: int) -> None:
+    """Run the lanes, the longest first, ``jobs`` at a time; a signal stops them all."""
+    env = {k: v for k, v in os.environ.items() if k != "GITHUB_STEP_SUMMARY"}  # the runner's
+    order = sorted(lanes, key=lambda lane: _rank(lane.name))
+    finished: queue.Queue[Lane] = queue.Queue()
+    running: list[Lane] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while order or running:
+            while order and len(running) < jobs:
+                lane = order.pop(0)
+                lane.start(pytest_args, env, min(jobs, len(lanes)))
+                running.append(lane)
+                threading.Thread(target=_wait, args=(lane, finished), daemon=True).start()
+            lane = finished.get()
+            running.remove(lane)
+            _say(_finished_line(lane))
+    except KeyboardInterrupt:
+        _say(f"interrupted: stopping {', '.join(lane.name for lane in running)}")
+        _stop(running)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _rank(name: str) -> int:
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else -1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait(lane: Lane, finished: queue.Queue[Lane]) -> None:
+    assert lane.process is not None
+    lane.process.wait()
+    lane.seconds = time.monotonic() - lane.started
+    finished.put(lane)
+
+
+def _stop(lanes: list[Lane]) -> None:
+    """One SIGINT each (pytest then tears its sandboxes down), then a kill past the wait."""
+    for lane in lanes:
+        if lane.process is not None and lane.process.poll() is None:
+            lane.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for lane in lanes:
+        assert lane.process is not None
+        try:
+            lane.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            lane.process.kill()
+            _say(f"{lane.name}: killed after {STOP_WAIT_S:.0f} s; see {lane.log}")
+
+
+def _finished_line(lane: Lane) -> str:
+    results = lane.results()
+    took = f"in {lane.seconds:.1f} s"
+    if results is None:
+        return f"{lane.name}: exit {lane.returncode} without a report {took}; see {lane.log}"
+    outcomes = collections.Counter(test["outcome"] for test in results.tests)
+    counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
+    (verdict,) = results.verdicts
+    return f"{lane.name}: {verdict.status} [{counts}, exit {lane.returncode}] {took}"
+
+
+def _report(lanes: list[Lane], args: argparse.Namespace) -> int:
+    """Merge the lanes' reports, print what one run prints at its end; the run's exit status."""
+    parts = [(lane, lane.results()) for lane in lanes]
+    for lane, results in parts:
+        if lane.returncode != 0 or results is None:
+            _print_failures(lane)
+    reported = [results for _, results in parts if results is not None]
+    merged = Results.merged(reported) if reported else None
+    if merged is not None:
+        write(merged, args.conformance_json, args.conformance_html, args.conformance_markdown)
+        step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if args.conformance_markdown and step_summary:
+            with open(step_summary, "a", encoding="utf-8") as summary:
+                summary.write(to_markdown(merged))
+        _print_summary(merged, reported)
+    if args.junitxml:
+        _merge_junit([lane.junit for lane in lanes if lane.junit.is_file()], args.junitxml)
+    codes = [lane.returncode or 0 for lane in lanes]
+    if any(code not in (0, 1) for code in codes):  # interrupted, internal or usage errors
+        return next(code for code in codes if code not in (0, 1))
+    if any(codes) or len(reported) < len(lanes) or merged is None or merged.nothing_ran:
+        return 1
+    return 0
+
+
+def _print_failures(lane: Lane) -> None:
+    """The lane's short test summary (its failures, one a line), or its log's last lines."""
+    try:
+        lines = lane.log.read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    starts = [i for i, line in enumerate(lines) if "short test summary info" in line]
+    shown = lines[starts[-1] + 1 :] if starts else lines[-30:]
+    ends = [i for i, line in enumerate(shown) if line.startswith("=")] if starts else []
+    shown = shown[: ends[0]] if ends else shown
+    print(f"\n--- {lane.name} (exit {lane.returncode}), from {lane.log}")  # noqa: T201
+    print("\n".join(shown[:60]), flush=True)  # noqa: T201
+
+
+def _print_summary(results: Results, parts: list[Results]) -> None:
+    # Skips by reason across the lanes: a reason that names a lane's host names it in general.
+    skipped = collections.Counter(
+        test["message"].replace(str(part.header["host"]), "its lane's host")
+        for part in parts
+        for test in part.tests
+        if test["outcome"] == "skipped" and test["level"] != "not applicable"
+    )
+    lines = ["", "=== skipped, by reason ==="] if skipped else []
+    lines += [f"{count:4d}  {reason}" for reason, count in skipped.most_common()]
+    lines += ["", "=== conformance by requirement ===", *matrix_lines(results)]
+    lines += ["", "=== verdict ==="]
+    if results.nothing_ran:
+        lines.append(NOTHING_RAN)
+    lines += [verdict.line for verdict in results.verdicts]
+    print("\n".join(lines), flush=True)  # noqa: T201
+
+
+def _merge_junit(parts: list[Path], path: Path) -> None:
+    """One ``<testsuites>`` holding each lane's ``<testsuite>``."""
+    merged = ET.Element("testsuites", name="conformance")
+    for part in parts:
+        merged.extend(ET.parse(part).getroot().iter("testsuite"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(merged).write(path, encoding="utf-8", xml_declaration=True)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
