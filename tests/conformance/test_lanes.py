@@ -138,7 +138,7 @@ def test_a_lane_that_fails_fails_the_run_with_its_failures_shown(
         [
             "lanes: reference: FAIL [[]1 error, exit 1] in * s",
             "--- reference (exit 1), from */lanes/reference.log",
-            "ERROR *test_no_gpu_request*[[]reference]",
+            "ERROR *test_no_gpu_request*[[]reference]*",  # with its message where it fits
             "",
             "=== conformance by requirement ===",
         ]
