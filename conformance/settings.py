@@ -55,8 +55,9 @@ def settings_from(config: pytest.Config) -> Settings:
         raise pytest.UsageError(
             f"--lane={lane}: one built-in driver ({', '.join(REGISTRY)}), without --driver"
         )
-    if config.getoption("--lanes-at-once") < 1:
-        raise pytest.UsageError("--lanes-at-once: at least 1")
+    at_once = config.getoption("--lanes-at-once")
+    if at_once < 1:
+        raise pytest.UsageError(f"--lanes-at-once={at_once}: at least 1")
     chosen = names or ([lane] if lane else list(REGISTRY))
     try:
         drivers = {name: get_driver_class(name) for name in chosen}
@@ -74,7 +75,7 @@ def settings_from(config: pytest.Config) -> Settings:
         image=config.getoption("--image"),
         reclaim_timeout_s=config.getoption("--reclaim-timeout"),
         exhaustion_grace_s=config.getoption("--exhaustion-grace"),
-        lanes_at_once=config.getoption("--lanes-at-once"),
+        lanes_at_once=at_once,
     )
 
 

@@ -213,3 +213,22 @@ def test_lanes_that_cannot_be_are_a_usage_error(args: list[str], says: str) -> N
     )  # fmt: skip
     assert done.returncode == 2
     assert says in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (["--lane=dokcer"], "--lane=dokcer: one built-in driver (reference, "),
+        (["--lane=docker", "--driver=reference"], "--lane=docker: one built-in driver"),
+        (["--lanes-at-once=0"], "--lanes-at-once=0: at least 1"),
+    ],
+)
+def test_a_lane_option_out_of_place_is_a_usage_error(
+    pytester: pytest.Pytester, option: list[str], says: str
+) -> None:
+    run = pytester.runpytest_subprocess(
+        str(ROOT / "conformance" / "test_visibility.py"), f"--rootdir={ROOT}",
+        "-c", str(ROOT / "pytest.ini"), "-p", "no:cacheprovider", *option,
+    )  # fmt: skip
+    assert run.ret == pytest.ExitCode.USAGE_ERROR
+    run.stderr.fnmatch_lines([f"*{says}*"])
