@@ -84,10 +84,10 @@ class Pace:
         self.operation = operation
         self.grace_s = grace_s
         self.first_from = first_from
+        """Whose pace bounds a first call of this kind: an exec's or a close's, the creates'."""
         self.lanes_at_once = lanes_at_once
         """Runs sharing the machine (``conformance.lanes --jobs``): as they start and end, a
         call may be that many times slower than the slowest so far."""
-        """Whose pace bounds a first call of this kind: an exec's or a close's, the creates'."""
         self.slowest_s: float | None = None
         """The slowest call so far, its time divided by the calls in flight beside it."""
         self.in_flight = 0
@@ -226,7 +226,11 @@ class DriverPace:
     close: Pace = field(init=False)
 
     def __post_init__(self) -> None:
-        grace, lanes = self.grace_s, self.lanes_at_once
-        self.create = Pace(self.driver, "create", grace, lanes_at_once=lanes)
-        self.exec = Pace(self.driver, "exec", grace, self.create, lanes)
-        self.close = Pace(self.driver, "close", grace, self.create, lanes)
+        lanes = self.lanes_at_once
+        self.create = Pace(self.driver, "create", self.grace_s, lanes_at_once=lanes)
+        self.exec = Pace(
+            self.driver, "exec", self.grace_s, first_from=self.create, lanes_at_once=lanes
+        )
+        self.close = Pace(
+            self.driver, "close", self.grace_s, first_from=self.create, lanes_at_once=lanes
+        )

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from conformance.render import NOTHING_RAN, matrix_lines, to_markdown, write
+from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
 from conformance.report import Results
 from drivers import REGISTRY
 
@@ -278,14 +278,13 @@ def _print_failures(lane: Lane) -> None:
 
 def _print_summary(results: Results, parts: list[Results]) -> None:
     # Skips by reason across the lanes: a reason that names a lane's host names it in general.
-    skipped = collections.Counter(
+    skipped = skip_lines(
         test["message"].replace(str(part.header["host"]), "its lane's host")
         for part in parts
         for test in part.tests
-        if test["outcome"] == "skipped" and test["level"] != "not applicable"
+        if test["outcome"] == "skipped"
     )
-    lines = ["", "=== skipped, by reason ==="] if skipped else []
-    lines += [f"{count:4d}  {reason}" for reason, count in skipped.most_common()]
+    lines = ["", "=== skipped, by reason ===", *skipped] if skipped else []
     lines += ["", "=== conformance by requirement ===", *matrix_lines(results)]
     lines += ["", "=== verdict ==="]
     if results.nothing_ran:

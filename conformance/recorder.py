@@ -6,7 +6,6 @@ of a run is the object's, so that runs in one process (pytester) never mix.
 
 from __future__ import annotations
 
-import collections
 import os
 import socket
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from datetime import UTC, datetime
 import pytest
 
 from conformance import requirements
-from conformance.render import NOTHING_RAN, matrix_lines, to_markdown, write
+from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
 from conformance.report import Entry, Results, entry
 from conformance.settings import Settings, driver_of, gpu_properties, settings_key
 from drivers.base import Driver
@@ -136,23 +135,14 @@ def _version(cls: type[Driver], settings: Settings) -> str:
 
 
 def _skips_by_reason(terminalreporter: pytest.TerminalReporter) -> None:
-    """Skipped tests grouped by reason with a count, instead of a line per test.
-
-    Requirements that do not apply to a driver are left to the matrix, which shows them.
-    """
-    reasons: collections.Counter[str] = collections.Counter()
-    not_applicable = 0
-    for report in terminalreporter.stats.get("skipped", []):
-        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
-        reason = reason.removeprefix("Skipped: ")
-        if " does not apply to " in reason or reason.startswith("not applicable: "):
-            not_applicable += 1
-        else:
-            reasons[reason] += 1
-    if not reasons and not not_applicable:
-        return
-    terminalreporter.section("skipped, by reason")
-    for reason, count in reasons.most_common():
-        terminalreporter.write_line(f"{count:4d}  {reason}")
-    if not_applicable:
-        terminalreporter.write_line(f"{not_applicable:4d}  not applicable (n/a in the matrix)")
+    reasons = [
+        str(report.longrepr[2]).removeprefix("Skipped: ")
+        if isinstance(report.longrepr, tuple)
+        else ""
+        for report in terminalreporter.stats.get("skipped", [])
+    ]
+    lines = skip_lines(reasons)
+    if lines:
+        terminalreporter.section("skipped, by reason")
+    for line in lines:
+        terminalreporter.write_line(line)

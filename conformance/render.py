@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import html
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,24 @@ def gpus_line(results: Results) -> str:
 
 
 NOTHING_RAN = "FAIL: no driver could run here; every conformance test was skipped."
+
+
+def skip_lines(reasons: Iterable[str]) -> list[str]:
+    """Skipped tests grouped by reason with a count, instead of a line per test.
+
+    Requirements that do not apply to a driver are left to the matrix, which shows them.
+    """
+    counted: collections.Counter[str] = collections.Counter()
+    not_applicable = 0
+    for reason in reasons:
+        if " does not apply to " in reason or reason.startswith("not applicable: "):
+            not_applicable += 1
+        else:
+            counted[reason] += 1
+    lines = [f"{count:4d}  {reason}" for reason, count in counted.most_common()]
+    if not_applicable:
+        lines.append(f"{not_applicable:4d}  not applicable (n/a in the matrix)")
+    return lines
 
 
 def matrix_lines(results: Results) -> list[str]:
