@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from conformance.bounds import unpaced
 from drivers.base import Driver, Sandbox
+from drivers.commands import DEFAULT_EXEC_TIMEOUT_S, ExecResult
 from gpuhost.devices import DRM_MAJORS, NVIDIA_GPU_MAJORS, GpuDevice
 from gpuhost.errors import GpuAllocationError, GpusExhausted, RequestError
 from gpuhost.simulated import SANDBOX_SHARE
@@ -452,6 +454,26 @@ def expect_refusal(
     assert driver.sandboxes(driver.session_id) == before, "a sandbox was left behind"
     assert driver.host.leases.leases() == leases_before, f"the refused {spec} left a lease"
     return refused
+
+
+Run = Callable[..., ExecResult]
+
+
+def ways_to_run(sandbox: Sandbox) -> dict[str, Run]:
+    """``exec``, and ``exec_stream`` (what `gpu-sandbox run` uses) read back from its files.
+
+    Each path to a command must give the same: a check of what a command sees runs through both.
+    """
+
+    def streamed(argv: Sequence[str], timeout: float = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            returncode = sandbox.exec_stream(argv, out.fileno(), err.fileno(), timeout)
+            out.seek(0)
+            err.seek(0)
+            text = (out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        return ExecResult(tuple(argv), returncode, *text)
+
+    return {"exec": sandbox.exec, "exec_stream": streamed}
 
 
 def uuids(sandbox: Sandbox) -> list[str]:

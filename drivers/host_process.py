@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from drivers.base import Command, Sandbox
-from gpuhost.procfs import each_process, kill_if
+from gpuhost.procfs import each_process, kill_if, owner
 from gpuhost.wait import wait_for
 
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -103,11 +103,15 @@ class SandboxProcesses:
     """What its sandboxes are called in messages: "sandboxes", "VMs"."""
 
     def find(self, session_id: str) -> list[tuple[str, int]]:
-        """(sandbox id, pid) of every process of ``session_id``."""
+        """(sandbox id, pid) of every process of ``session_id``: this user's processes alone.
+
+        Another user may start a process of the same name whose arguments carry this
+        session's stamp (session ids are no secret): it is not one of ours.
+        """
         found = []
         for pid, cmdline in each_process("cmdline"):
             sandbox_id = self._sandbox(cmdline, session_id)
-            if sandbox_id is not None:
+            if sandbox_id is not None and owner(pid) == os.geteuid():
                 found.append((sandbox_id, pid))
         return found
 
@@ -128,12 +132,12 @@ class SandboxProcesses:
         return sorted({sandbox_id for sandbox_id, _ in found})
 
     def _is(self, pid: int, session_id: str, sandbox_id: str) -> bool:
-        """Whether ``pid`` is the process of ``sandbox_id`` of ``session_id``."""
+        """Whether ``pid`` is this user's process of ``sandbox_id`` of ``session_id``."""
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
-        return self._sandbox(cmdline, session_id) == sandbox_id
+        return self._sandbox(cmdline, session_id) == sandbox_id and owner(pid) == os.geteuid()
 
     def _sandbox(self, cmdline: bytes, session_id: str) -> str | None:
         argv = cmdline.split(b"\0")

@@ -13,9 +13,12 @@ closed and dies with the process that created it. Commands run inside it with ``
 into its namespaces, with no capabilities and no-new-privileges.
 
 Run by root, bwrap (as root) builds the sandbox's namespaces and mounts, and everything in it
-runs as the unprivileged host uid and gid ``SANDBOX_UID``, with the groups of its device
-nodes: no host file of root's and no kernel setting is its to read or change. Run by another
-user, bwrap maps that user into a user namespace of the sandbox's own.
+runs as an unprivileged host uid and gid of the sandbox's own (``gpuhost.uids``: no other
+sandbox's, no account's), with the groups of its device nodes: no host file of root's and no
+kernel setting is its to read or change, and no per-user state of the kernel (keyrings,
+process limits, quotas) is shared with another sandbox. Run by another user, bwrap maps that
+user into a user namespace of the sandbox's own. Every process of a sandbox, its first and
+each command, runs under the engines' default system call filter (``drivers.seccomp``).
 GPUs come from the host-wide lease registry: exclusive, lowest free first.
 """
 
@@ -34,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from drivers import seccomp
 from drivers.base import (
     Availability,
     Command,
@@ -53,6 +57,7 @@ from drivers.host_process import (
     run_tool,
     tool,
 )
+from gpuhost import uids
 from gpuhost.devices import DeviceNode, GpuDevice
 from gpuhost.errors import SandboxExecError, SandboxStartError
 from gpuhost.leases import (
@@ -66,6 +71,7 @@ from gpuhost.leases import (
 from gpuhost.procfs import kill_marked
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
+from gpuhost.uids import SandboxUser
 from gpuhost.wait import wait_for
 
 START_TIMEOUT_S = 10.0
@@ -80,8 +86,6 @@ KILL_TIMEOUT_S = 5.0
 VERSION_TIMEOUT_S = 10.0
 SESSION_ENV = "GPU_SANDBOX_SESSION"
 SANDBOX_ENV = "GPU_SANDBOX_ID"
-SANDBOX_UID = 1_999_000_000
-"""The host uid and gid of a root-run sandbox: no account's, and no other process's."""
 _TOOLS = ("bwrap", "nsenter", "setpriv", "env")
 NO_GPUS_FOUND = "found none through NVML or nvidia-smi; use --sim-gpus=N for a simulated GPU host"
 
@@ -92,6 +96,8 @@ class ReferenceDriver(Driver):
     # close() shuts the pipe or when the creating process dies and the pipe breaks.
     init_argv: ClassVar[tuple[str, ...]] = ("sh", "-c", "echo ready; exec cat")
     close_timeout_s: ClassVar[float] = CLOSE_TIMEOUT_S
+    syscall_filter: ClassVar[bool] = True
+    """Whether the sandbox's first process runs under ``drivers.seccomp``'s filter."""
 
     @property
     def capabilities(self) -> DriverCapabilities:
@@ -119,15 +125,32 @@ class ReferenceDriver(Driver):
             )
         if not self.host.gpus:
             return Availability(False, f"needed NVIDIA GPUs ({NO_GPUS_FOUND})")
+        try:
+            user = self.claim_user()
+            filter_fd = seccomp.bpf_fd() if self.syscall_filter else -1
+        except (OSError, SandboxStartError) as exc:
+            return Availability(False, f"needed a sandbox user and its system call filter ({exc})")
         # The very command line a sandbox gets, so that a bwrap lacking an option it uses
         # (--disable-userns needs 0.8) fails here, with the reason, and not in every test.
-        trial = subprocess.run(
-            [*with_parents(self.bwrap_argv("probe", ())), *self.init_prefix(()), "true"],
-            capture_output=True,
-            text=True,
-            check=False,
-            env=HOST_ENV,
-        )
+        try:
+            trial = subprocess.run(
+                [
+                    *with_parents(self.bwrap_argv("probe", ())),
+                    *self.filter_argv(filter_fd),
+                    *self.init_prefix((), user),
+                    "true",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                env=HOST_ENV,
+                pass_fds=(filter_fd,) if filter_fd >= 0 else (),
+            )
+        finally:
+            if user is not None:
+                user.release()
+            if filter_fd >= 0:
+                os.close(filter_fd)
         if trial.returncode != 0:
             # bwrap's own message says why; an option it does not know means it is too old.
             hint = "; bwrap 0.8 or newer is needed" if "Unknown option" in trial.stderr else ""
@@ -171,23 +194,37 @@ class ReferenceDriver(Driver):
     def _start(self, launch: Launch, argv: list[str]) -> ReferenceSandbox:
         """Start bwrap and wait for its init to say it is ready."""
         argv = with_parents(argv)
+        user = self.claim_user()
+        try:
+            return self._start_as(launch, argv, user)
+        except BaseException:
+            if user is not None:
+                user.release()
+            raise
+
+    def _start_as(
+        self, launch: Launch, argv: list[str], user: SandboxUser | None
+    ) -> ReferenceSandbox:
+        filter_fd = seccomp.bpf_fd() if self.syscall_filter else -1
         info_read, info_write = os.pipe()
         try:
-            init = [*self.init_prefix(launch.gpus), *self.init_argv]
+            init = [*self.init_prefix(launch.gpus, user), *self.init_argv]
             process = spawn(
-                [*argv, "--info-fd", str(info_write), *init],
+                [*argv, *self.filter_argv(filter_fd), "--info-fd", str(info_write), *init],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(info_write,),
+                pass_fds=(info_write, filter_fd) if filter_fd >= 0 else (info_write,),
                 env=HOST_ENV,
             )
         except BaseException:
             os.close(info_read)
             raise
         finally:
-            # spawn returns (or raises) only once the spawner is done with the fd.
+            # spawn returns (or raises) only once the spawner is done with the fds.
             os.close(info_write)
+            if filter_fd >= 0:
+                os.close(filter_fd)
         try:
             with os.fdopen(info_read, "rb") as info:
                 assert process.stdout is not None
@@ -221,30 +258,47 @@ class ReferenceDriver(Driver):
             self.sandbox_env(launch.env),
             self.host.leases,
             self.close_timeout_s,
-            self.as_sandbox_user(launch.gpus),
+            self.as_sandbox_user(launch.gpus, user),
+            user,
         )
 
-    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+    def claim_user(self) -> SandboxUser | None:
+        """The host user of a new sandbox: run by root, a uid of its own.
+
+        Run by another user, none: bwrap maps the caller into a user namespace of its own.
+        """
+        return uids.claim() if os.geteuid() == 0 else None
+
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice], user: SandboxUser | None) -> list[str]:
         """``setpriv``'s options that make a process of the sandbox its host user.
 
-        Run by root: ``SANDBOX_UID``, with the groups of the device nodes of ``gpus`` that
-        are not root's (a DRI node's render group); otherwise none: bwrap maps the caller.
+        Run by root: ``user``, with the groups of the device nodes of ``gpus`` that are not
+        root's (a DRI node's render group); otherwise none: bwrap maps the caller.
         """
-        if os.geteuid() != 0:
+        if user is None:
             return []
         nodes = self.device_nodes(gpus)
         groups = sorted({gid for node in nodes if (gid := _gid(node.source)) > 0})
         return [
-            f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
+            f"--reuid={user.uid}", f"--regid={user.gid}",
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
         ]  # fmt: skip
 
-    def init_prefix(self, gpus: Sequence[GpuDevice]) -> list[str]:
+    def init_prefix(self, gpus: Sequence[GpuDevice], user: SandboxUser | None) -> list[str]:
         """What runs the sandbox's first process as its commands run (root-run: setpriv)."""
         if os.geteuid() != 0:
             return []
         privileges = ReferenceSandbox.exec_privileges
-        return ["setpriv", *self.as_sandbox_user(gpus), *privileges, "--"]
+        return ["setpriv", *self.as_sandbox_user(gpus, user), *privileges, "--"]
+
+    @staticmethod
+    def filter_argv(filter_fd: int) -> list[str]:
+        """The bwrap options that load the system call filter read from ``filter_fd``.
+
+        bwrap loads it into the sandbox's first process last, just before it starts; none
+        where ``filter_fd`` is -1.
+        """
+        return ["--seccomp", str(filter_fd)] if filter_fd >= 0 else []
 
     def sees(self, path: Path) -> bool:
         """Whether the sandbox's host user can read ``path`` bound in: always, unless run by root.
@@ -336,6 +390,8 @@ class ReferenceSandbox(HostProcessSandbox):
         "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
     )  # fmt: skip
     """What ``setpriv`` takes from every command: new privileges, and every capability."""
+    syscall_filter: ClassVar[bool] = True
+    """Whether each command runs under ``drivers.seccomp``'s filter, from its first call."""
 
     def __init__(
         self,
@@ -349,6 +405,7 @@ class ReferenceSandbox(HostProcessSandbox):
         leases: LeaseRegistry,
         close_timeout_s: float = CLOSE_TIMEOUT_S,
         as_sandbox_user: Sequence[str] = (),
+        user: SandboxUser | None = None,
     ) -> None:
         # The holder is the sandbox's pid 1: the kernel ends it only after every other
         # process of the sandbox, so while it runs, the GPUs may still be in use. bwrap itself
@@ -361,6 +418,7 @@ class ReferenceSandbox(HostProcessSandbox):
         self._child_start = child_start
         self._close_timeout_s = close_timeout_s
         self._as_sandbox_user = list(as_sandbox_user)
+        self._user = user
 
     def run(self, command: Command, output: Output) -> int:
         # Each command runs in the sandbox's pid namespace, as `docker exec` does. Not in one
@@ -386,6 +444,8 @@ class ReferenceSandbox(HostProcessSandbox):
             "env", "-i", *(f"{key}={value}" for key, value in env.items()), *command.argv,
         ]  # fmt: skip
         stdout, stderr = output.fds or (subprocess.PIPE, subprocess.PIPE)
+        if self.syscall_filter:
+            seccomp.prepare()
         try:
             process = subprocess.Popen(
                 argv,
@@ -395,6 +455,7 @@ class ReferenceSandbox(HostProcessSandbox):
                 env=HOST_ENV,
                 start_new_session=True,
                 pass_fds=(userns,) if userns >= 0 else (),
+                preexec_fn=seccomp.load_in_child if self.syscall_filter else None,
             )
         except OSError as exc:
             raise SandboxExecError(
@@ -447,6 +508,8 @@ class ReferenceSandbox(HostProcessSandbox):
             what=f"the pid 1 of sandbox {self.id} (pid {self._child_pid}) to exit",
             interval_s=0.002,
         )
+        if self._user is not None:
+            self._user.release()
 
     def kill(self) -> None:
         self._process.send_signal(signal.SIGKILL)

@@ -84,3 +84,22 @@ def kill_marked(needle: bytes, timeout_s: float = KILL_MARKED_TIMEOUT_S) -> None
         for pid in found:
             kill_if(pid, lambda pid: has_mark(pid, needle))
         time.sleep(0.02)
+
+
+def owner(pid: int) -> int | None:
+    """The uid of a process whose real, effective, saved and filesystem uids are that one.
+
+    None when they differ, or when it is gone.
+
+    What any user can start, any user can name as they like: a process's command line or
+    name says nothing of who started it; its uid does.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            ids = set(line.split()[1:])
+            return int(ids.pop()) if len(ids) == 1 else None
+    return None

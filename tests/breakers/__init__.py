@@ -23,6 +23,7 @@ from tests.breakers import (
     lifecycle,
     mig,
     namespaces,
+    peers,
     privileges,
     selection,
     sharing,
@@ -33,7 +34,7 @@ from tests.breakers.base import BrokenDriver
 
 AREAS: tuple[ModuleType, ...] = (
     visibility, selection, validation, exhaustion, hostwide, lifecycle, execution, filesystem,
-    namespaces, privileges, sharing, mig, dri,
+    namespaces, peers, privileges, sharing, mig, dri,
 )  # fmt: skip
 """The reference driver's breakers, a module per area, in the catalogue's order."""
 

@@ -14,6 +14,7 @@ from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.spec import SHARED
+from gpuhost.uids import SandboxUser
 from tests.breakers.base import BrokenDriver, with_binds
 
 
@@ -99,7 +100,7 @@ class EtcSecretsVisible(BrokenDriver):
 
     BREAKS = "SANDBOX-FS-01"
 
-    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice], user: SandboxUser | None) -> list[str]:
         return []
 
     def root_argv(self) -> list[str]:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
+from gpuhost.uids import SandboxUser
 from tests.breakers.base import BrokenDriver
 
 
@@ -18,7 +19,7 @@ class SandboxRunsAsHostRoot(BrokenDriver):
 
     BREAKS = "SANDBOX-PRIV-01"
 
-    def as_sandbox_user(self, gpus: Sequence[GpuDevice]) -> list[str]:
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice], user: SandboxUser | None) -> list[str]:
         return []
 
 
@@ -31,3 +32,21 @@ class ExecGainsPrivileges(BrokenDriver):
 
     BREAKS = "SANDBOX-PRIV-01"
     SANDBOX = _PrivilegedExecSandbox
+
+
+class _UnfilteredExecSandbox(ReferenceSandbox):
+    syscall_filter = False
+
+
+class UnfilteredCommands(BrokenDriver):
+    """SANDBOX-PRIV-01: the first process runs under the filter, commands (nsenter) do not."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    SANDBOX = _UnfilteredExecSandbox
+
+
+class UnfilteredFirstProcess(BrokenDriver):
+    """SANDBOX-PRIV-01: commands run under the filter, the sandbox's first process does not."""
+
+    BREAKS = "SANDBOX-PRIV-01"
+    syscall_filter = False
