@@ -1,7 +1,8 @@
 """An example GPU sandbox driver to copy, run as root: one bubblewrap jail per sandbox.
 
 A jail sees the host's programs read-only, its own /dev (its GPUs' nodes), /proc, /tmp and /run,
-and no network; what runs in it runs as JAIL_UID, owner of no host file, without capabilities.
+and no network; what runs in it runs as a host uid of its own (no other jail's, owner of no host
+file), without capabilities, under the container engines' default system call filter.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import signal
 import subprocess
 from subprocess import PIPE
 
+from drivers import seccomp
 from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
+from gpuhost import uids
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import SandboxExecError, SandboxStartError
 from gpuhost.leases import Holder
-from gpuhost.procfs import each_process, kill_if, kill_marked
+from gpuhost.procfs import each_process, kill_if, kill_marked, owner
 from gpuhost.spawn import spawn, stop_process
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
-JAIL_UID = 1_999_000_000
 HOST_PATH = "/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENV = {"PATH": HOST_PATH}  # bwrap's and nsenter's: never the caller's (LD_PRELOAD...)
 STAMP = "JAIL_SANDBOX"  # bwrap --setenv JAIL_SANDBOX <session>/<id>: how reap finds a jail
@@ -72,11 +74,6 @@ class JailDriver(Driver):
         # Each GPU's nodes (two MIG instances share their GPU's), nvidiactl and nvidia-uvm too.
         control = self.host.control_nodes if any(g.vendor == "nvidia" for g in launch.gpus) else ()
         nodes = sorted({*control, *(node for gpu in launch.gpus for node in gpu.nodes)})
-        # setpriv makes the jail's init, and each command, JAIL_UID with its nodes' groups.
-        groups = ",".join(sorted({str(os.stat(n.source).st_gid) for n in nodes} - {"0"}))
-        drop = ["setpriv", f"--reuid={JAIL_UID}", f"--regid={JAIL_UID}", "--no-new-privs",
-                f"--groups={groups}" if groups else "--clear-groups", "--inh-caps=-all",
-                "--bounding-set=-all", "--"]  # fmt: skip
         argv = [
             "bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -94,12 +91,24 @@ class JailDriver(Driver):
             argv += ["--perms", "0755", "--dir", parent]  # else bwrap makes it root's alone
         for node in nodes:
             argv += ["--dev-bind", node.source, node.path]
+        # setpriv makes the jail's init, and each command, a uid of the jail's own with its
+        # nodes' groups: the kernel keeps keyrings and process limits per uid, not per jail.
+        groups = ",".join(sorted({str(os.stat(n.source).st_gid) for n in nodes} - {"0"}))
+        user, bwrap = uids.claim(), None  # the uid is the jail's until its pid 1 is gone
+        drop = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--no-new-privs",
+                f"--groups={groups}" if groups else "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--"]  # fmt: skip
         # The init says "up" once the jail is built, then waits for EOF on its stdin: close()
         # gives it; so does the creator's death (spawn forks from a thread that lives on).
-        init_argv = [*argv, *drop, "sh", "-c", "echo up; exec cat"]
-        bwrap = spawn(init_argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, env=HOST_ENV)
-        assert bwrap.stdout is not None
         try:
+            filter_fd = seccomp.bpf_fd()  # bwrap loads the system call filter last, for the init
+            try:
+                argv += ["--seccomp", str(filter_fd), *drop, "sh", "-c", "echo up; exec cat"]
+                bwrap = spawn(argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, env=HOST_ENV,
+                              pass_fds=(filter_fd,))  # fmt: skip
+            finally:
+                os.close(filter_fd)
+            assert bwrap.stdout is not None
             ready = select.select([bwrap.stdout], [], [], TIMEOUT_S)[0]
             if not ready or bwrap.stdout.readline() != b"up\n":
                 bwrap.kill()
@@ -110,14 +119,16 @@ class JailDriver(Driver):
             (init,) = [pid for pid in mine if mine[pid] == launch.sandbox_id and pid != bwrap.pid]
             holder, pidfd = Holder.process(init), os.pidfd_open(init)
         except BaseException as exc:
-            stop_process(bwrap)  # nothing runs without its leases
+            if bwrap is not None:
+                stop_process(bwrap)  # nothing runs without its leases
+            user.release()
             if isinstance(exc, (OSError, ValueError)):  # pid 1 died at once
                 raise SandboxStartError(f"jail died as it started: {exc}") from exc
             raise
         jail = Jail(launch.sandbox_id, self.name, launch.gpus, holder, self.host.leases)
         path = ":".join([*self.host.tool_path, HOST_PATH])
         jail.env = {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", **launch.env}
-        jail.bwrap, jail.init, jail.pidfd, jail.drop = bwrap, init, pidfd, drop
+        jail.bwrap, jail.init, jail.pidfd, jail.drop, jail.user = bwrap, init, pidfd, drop, user
         return jail
 
     def sandboxes(self, session_id: str) -> list[str]:
@@ -139,18 +150,21 @@ class Jail(Sandbox):
     pidfd: int  # its pidfd, readable once it has exited, whoever has its pid by then
     env: dict[str, str]
     drop: list[str]
+    user: uids.SandboxUser
 
     def run(self, command: Command, output: Output) -> int:
         # Into the jail's own namespaces (its one pid namespace: one per command fails
-        # SANDBOX-NS-01, and on a real GPU CUDA after the first command), as JAIL_UID; env -i
+        # SANDBOX-NS-01, and on a real GPU CUDA after the first command), as its user; env -i
         # gives the command the jail's environment and its marker, nothing of nsenter's.
         env = [f"{key}={value}" for key, value in {**self.env, **command.env}.items()]
         enter = ["nsenter", f"--target={self.init}", "--all", "--root", "--wd"]
         stdout, stderr = output.fds or (PIPE, PIPE)
+        seccomp.prepare()  # loaded by the fork before it execs nsenter: filtered from the start
         try:
             process = subprocess.Popen(
                 [*enter, *self.drop, "env", "-i", *env, *command.argv], stdin=subprocess.DEVNULL,
                 stdout=stdout, stderr=stderr, env=HOST_ENV, start_new_session=True,
+                preexec_fn=seccomp.load_in_child,
             )  # fmt: skip
         except OSError as exc:
             raise SandboxExecError(f"cannot run {command.argv} in jail {self.id}: {exc}") from exc
@@ -179,6 +193,7 @@ class Jail(Sandbox):
         if not select.select([self.pidfd], [], [], TIMEOUT_S)[0]:
             raise TimeoutError(f"pid 1 of jail {self.id} (host pid {self.init}) did not exit")
         os.close(self.pidfd)
+        self.user.release()  # no process of the jail is left: another jail may have its uid
 
     def kill(self) -> None:
         self.bwrap.send_signal(signal.SIGKILL)  # as a crash would; --die-with-parent does the rest
@@ -189,7 +204,8 @@ def _jails(session_id: str) -> dict[int, str]:
     found = {}
     for pid, cmdline in each_process("cmdline"):
         args = cmdline.decode(errors="replace").split("\0")
-        if args[0].endswith("bwrap") and STAMP in args[:-1]:
+        # Ours alone: any user may start a "bwrap" carrying the stamp (session ids are no secret).
+        if args[0].endswith("bwrap") and STAMP in args[:-1] and owner(pid) == os.geteuid():
             session, _, sandbox_id = args[args.index(STAMP) + 1].partition("/")
             if session == session_id:
                 found[pid] = sandbox_id

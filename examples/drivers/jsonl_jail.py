@@ -32,6 +32,7 @@ from typing import Any
 
 from jail import HOST_ENV, Jail, JailDriver
 
+from drivers import seccomp
 from drivers.base import CommandTimedOut
 from drivers.external.protocol import PROTOCOL_VERSION, error_of
 from gpuhost.devices import GpuDevice
@@ -157,16 +158,18 @@ class Server:
         _, jail = self.jails.get(sandbox_id, ("", None))
         if jail is None or jail.closed or not jail.running():
             raise Unavailable(f"sandbox {sandbox_id} is not running")
-        # As jail.py's Jail.run: into the jail's namespaces, as its user, its environment.
+        # As jail.py's Jail.run: into the jail's namespaces, as its user, its environment, under
+        # the system call filter from nsenter's first instruction.
         env = [f"{key}={value}" for key, value in {**jail.env, **request["env"]}.items()]
         enter = ["nsenter", f"--target={jail.init}", "--all", "--root", "--wd"]
         merged = BREAK == "merged-streams"
+        seccomp.prepare()
         try:
             process = subprocess.Popen(
                 [*enter, *jail.drop, "env", "-i", *env, *request["argv"]],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if merged else subprocess.PIPE, env=HOST_ENV,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=seccomp.load_in_child,
             )  # fmt: skip
         except OSError as exc:
             raise SandboxExecError(f"cannot run {request['argv']}: {exc}") from exc
@@ -265,7 +268,8 @@ class Server:
             gone = [sid for sid, (owner, _) in self.jails.items() if owner == session]
             jails = [self.jails.pop(sid)[1] for sid in gone]
         for jail in jails:
-            jail.bwrap.wait()  # reaped: killed already
+            jail.bwrap.wait()  # reaped: killed already, its pid 1 too (reap waits for it)
+            jail.user.release()
         return {"removed": removed}
 
     def _remembered(self, session: str) -> list[str]:

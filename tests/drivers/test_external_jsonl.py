@@ -34,7 +34,12 @@ from gpuhost.errors import (
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
 from tests.catalogue import ROOT, golden_ids, run_catalogue
-from tests.conformance.test_example_driver import gate_layout
+from tests.conformance.test_example_driver import (
+    PEERS_AND_PRIVILEGES,
+    assert_impostor_is_no_sandbox,
+    assert_sandboxes_of_users_of_their_own,
+    gate_layout,
+)
 
 EXAMPLE = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 NAME = "jsonl-jail"
@@ -187,6 +192,17 @@ def test_a_killed_sandbox_refuses_exec_and_its_gpus_come_back(host: GpuHost) -> 
     sandbox.close()
 
 
+def test_the_examples_jails_run_as_users_of_their_own_under_the_filter(host: GpuHost) -> None:
+    assert_sandboxes_of_users_of_their_own(driver_class(EXAMPLE)(host, "jsonl-users"))
+
+
+def test_another_users_bwrap_with_the_sessions_stamp_is_not_one_of_its_jails(
+    host: GpuHost,
+) -> None:
+    driver = driver_class(EXAMPLE)(host, "jsonl-impostor")
+    assert_impostor_is_no_sandbox(driver, "JAIL_SANDBOX", "jsonl-impostor")
+
+
 # -- drivers that misbehave: the adapter's bounds ---------------------------------------------
 
 FAKE = """
@@ -315,6 +331,15 @@ def test_the_example_passes_the_whole_catalogue_every_message_in_the_protocol(
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
     assert {verdicts[req] for req in golden_ids()} <= {"passed", "not applicable"}, verdicts
     assert assert_every_message_in_the_protocol(trace) > 1000
+
+
+def test_the_example_passes_the_peer_and_privilege_requirements(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    name = f"exec:{EXAMPLE}"
+    result, run = run_catalogue(pytester, tmp_path, name, 4, PEERS_AND_PRIVILEGES, full=False)
+    verdicts = {req: result["matrix"][req][name] for req in ("SANDBOX-PEER-01", "SANDBOX-PRIV-01")}
+    assert set(verdicts.values()) == {"passed"}, (verdicts, run.stdout.str()[-3000:])
 
 
 @pytest.mark.parametrize(
