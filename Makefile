@@ -150,11 +150,14 @@ conformance: venv host-packages vm-lane gosandbox
 
 # The Go driver of examples/drivers/gosandbox (standard library only: no module proxy is
 # asked), for tests/drivers/test_gosandbox.py and --driver=exec:examples/drivers/gosandbox/driver.yaml.
+# Its jails' system call filter is the project's (drivers/seccomp.py), written for this
+# machine's architecture as the BPF program that the build embeds (seccomp.bpf, not committed).
 # Where Go is missing, nothing is built and its lane is skipped, saying what it needed.
 GOSANDBOX := examples/drivers/gosandbox
 .PHONY: gosandbox
-gosandbox:
+gosandbox: venv
 	@if command -v go >/dev/null; then \
+	  $(BIN)/python -m drivers.seccomp $(GOSANDBOX)/seccomp.bpf && \
 	  cd $(GOSANDBOX) && GOFLAGS=-mod=mod GOPROXY=off go build -o gosandbox .; \
 	else \
 	  echo "gosandbox: not built: needed go on PATH (Debian: apt-get install golang-go)" >&2; \

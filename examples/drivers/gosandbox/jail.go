@@ -3,13 +3,14 @@ package main
 // Bubblewrap jails, one per sandbox, as examples/drivers/jail.py makes them: the host's
 // programs read-only, a /dev of the sandbox's GPUs' nodes (and the control nodes), its own
 // /proc, /tmp, /run and /dev/shm, the simulated host's tools, no network, one pid namespace;
-// what runs in it runs as jailUID without capabilities. Commands enter the jail's
-// namespaces with nsenter. A jail is found from the host by the stamp on bwrap's command line.
+// what runs in it runs as a host uid of the jail's own (uids.go) without capabilities, under
+// the engines' default system call filter (seccomp.go). Commands enter the jail's namespaces
+// with nsenter. A jail is found from the host by the stamp on bwrap's command line
+// (processes.go).
 
 import (
 	"bufio"
 	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -25,7 +26,6 @@ import (
 )
 
 const (
-	jailUID   = 1999000000
 	hostPath  = "/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 	stamp     = "GOSANDBOX_SANDBOX" // bwrap --setenv GOSANDBOX_SANDBOX <session>/<id>: how reap finds it
 	jailWait  = 10 * time.Second
@@ -44,6 +44,7 @@ type Jail struct {
 	init        int           // the host pid of the jail's pid 1: commands enter its namespaces
 	initStart   string
 	holder      Holder
+	user        *SandboxUser // the jail's uid, held until its pid 1 is gone
 	drop        []string
 	env         [][2]string
 }
@@ -77,7 +78,7 @@ func hostTool(name string) string {
 	return ""
 }
 
-func (s *Server) startJail(id, session string, devices []*Device, env [][2]string) (*Jail, error) {
+func (s *Server) startJail(id, session string, devices []*Device, env [][2]string) (j *Jail, err error) {
 	var nodes []Node
 	for _, d := range devices {
 		if d.Vendor == "nvidia" {
@@ -120,7 +121,17 @@ func (s *Server) startJail(id, session string, devices []*Device, env [][2]strin
 	if len(groups) > 0 {
 		groupArg = "--groups=" + strings.Join(groups, ",")
 	}
-	drop := []string{"setpriv", fmt.Sprintf("--reuid=%d", jailUID), fmt.Sprintf("--regid=%d", jailUID),
+	// A uid of the jail's own: the kernel keeps keyrings and process limits per uid.
+	user, err := claimUser()
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			user.Release()
+		}
+	}()
+	drop := []string{"setpriv", fmt.Sprintf("--reuid=%d", user.UID), fmt.Sprintf("--regid=%d", user.UID),
 		"--no-new-privs", groupArg, "--inh-caps=-all", "--bounding-set=-all", "--"}
 	argv := []string{"--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
 		"--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -153,11 +164,19 @@ func (s *Server) startJail(id, session string, devices []*Device, env [][2]strin
 	for _, n := range unique {
 		argv = append(argv, "--dev-bind", n.Source, n.Path)
 	}
+	// bwrap loads the system call filter, read from fd 3, last, just before the init runs.
 	// The init says "up" once the jail is built, then waits for EOF on its stdin: close
 	// gives it; so does this process's death.
-	argv = append(append(argv, drop...), "sh", "-c", "echo up; exec cat")
+	argv = append(append(argv, "--seccomp", "3"), drop...)
+	argv = append(argv, "sh", "-c", "echo up; exec cat")
+	filter, err := filterFile()
+	if err != nil {
+		return nil, err
+	}
+	defer filter.Close()
 	cmd := exec.Command(hostTool("bwrap"), argv...)
 	cmd.Env = []string{"PATH=" + hostPath}
+	cmd.ExtraFiles = []*os.File{filter}
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	stdin, err := cmd.StdinPipe()
@@ -172,8 +191,9 @@ func (s *Server) startJail(id, session string, devices []*Device, env [][2]strin
 	if err != nil {
 		return nil, fmt.Errorf("cannot run bwrap: %v", err)
 	}
-	j := &Jail{ID: id, Session: session, Devices: devices, cmd: cmd, stdin: stdin,
-		done: make(chan struct{}), drop: drop}
+	filter.Close()
+	j = &Jail{ID: id, Session: session, Devices: devices, cmd: cmd, stdin: stdin,
+		done: make(chan struct{}), user: user, drop: drop}
 	up := make(chan string, 1)
 	go func() {
 		line, _ := bufio.NewReader(stdout).ReadString('\n')
@@ -255,6 +275,7 @@ func (j *Jail) Close() error {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+	j.user.Release() // no process of the jail is left: another jail may have its uid
 	return nil
 }
 
@@ -268,18 +289,19 @@ type Outcome struct {
 	Cancelled    bool
 }
 
-// Exec runs argv in the jail, as jailUID, with the jail's environment and env over it;
-// output goes to emit as it comes. At timeout or cancel, its process group and every
-// process carrying its marker are killed.
+// Exec runs argv in the jail, as its user and under the system call filter from nsenter's
+// first instruction, with the jail's environment and env over it; output goes to emit as it
+// comes. At timeout or cancel, its process group and every process carrying its marker are
+// killed.
 func (j *Jail) Exec(argv []string, env [][2]string, timeout time.Duration, cancel <-chan struct{},
 	started func(int), emit func(stream string, data []byte)) (Outcome, error) {
-	full := []string{"--target=" + strconv.Itoa(j.init), "--all", "--root", "--wd"}
+	full := []string{hostTool("nsenter"), "--target=" + strconv.Itoa(j.init), "--all", "--root", "--wd"}
 	full = append(append(full, j.drop...), "env", "-i")
 	for _, kv := range mergeEnv(j.env, env) {
 		full = append(full, kv[0]+"="+kv[1])
 	}
 	full = append(full, argv...)
-	cmd := exec.Command(hostTool("nsenter"), full...)
+	cmd := exec.Command(selfPath, append([]string{filteredExec}, full...)...) // seccomp.go
 	cmd.Env = []string{"PATH=" + hostPath}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	outR, outW, err := os.Pipe()
@@ -367,88 +389,4 @@ func envValue(env [][2]string, key string) string {
 		}
 	}
 	return "-"
-}
-
-// killMarked SIGKILLs every process whose environment holds needle, until none is left.
-func killMarked(needle string) {
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		found := marked(needle)
-		if len(found) == 0 {
-			return
-		}
-		for _, pid := range found {
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func marked(needle string) []int {
-	var found []int
-	eachProcess("environ", func(pid int, data []byte) {
-		for _, entry := range bytes.Split(data, []byte{0}) {
-			if string(entry) == needle {
-				found = append(found, pid)
-				return
-			}
-		}
-	})
-	return found
-}
-
-func eachProcess(entry string, fn func(pid int, data []byte)) {
-	names, _ := filepath.Glob("/proc/[0-9]*")
-	for _, dir := range names {
-		pid, err := strconv.Atoi(filepath.Base(dir))
-		if err != nil {
-			continue
-		}
-		if data, err := os.ReadFile(dir + "/" + entry); err == nil {
-			fn(pid, data)
-		}
-	}
-}
-
-// jails: each process of the session's jails (bwrap, and its fork the jail's pid 1): its id.
-func jails(session string) map[int]string {
-	found := map[int]string{}
-	eachProcess("cmdline", func(pid int, data []byte) {
-		args := strings.Split(string(data), "\x00")
-		if len(args) < 2 || !strings.HasSuffix(args[0], "bwrap") {
-			return
-		}
-		for i, arg := range args[:len(args)-1] {
-			if arg == stamp {
-				owner, sid, _ := strings.Cut(args[i+1], "/")
-				if owner == session {
-					found[pid] = sid
-				}
-				return
-			}
-		}
-	})
-	return found
-}
-
-// reapJails kills every jail of the session, whoever made it, and waits for them to go.
-func reapJails(session string) ([]string, error) {
-	found := jails(session)
-	for pid := range found {
-		if _, still := jails(session)[pid]; still {
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
-	}
-	deadline := time.Now().Add(jailWait)
-	for len(jails(session)) > 0 {
-		if time.Now().After(deadline) {
-			return nil, errors.New("the jails of session " + session + " did not exit")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	var ids []string
-	for _, sid := range found {
-		ids = append(ids, sid)
-	}
-	return ids, nil
 }

@@ -1,7 +1,8 @@
 // Command gosandbox is a GPU sandbox driver of the jsonl protocol
 // (docs/external-protocol.md), in Go with its standard library only: bubblewrap jails
-// (jail.go) given GPUs through the host-wide lease registry (leases.go, version 4 of
-// docs/lease-protocol.md), the request judged as the request model says (request.go).
+// (jail.go), each run as a host uid of its own (uids.go) under the engines' system call
+// filter (seccomp.go), given GPUs through the host-wide lease registry (leases.go, version 4
+// of docs/lease-protocol.md), the request judged as the request model says (request.go).
 //
 // It is one long-lived process: one request per line on stdin, one reply or event per
 // line on stdout, each request handled in a goroutine of its own. Its jails die with it
@@ -65,6 +66,9 @@ func (s *Server) send(message map[string]any) {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == filteredExec {
+		runFiltered(os.Args[2:]) // a command's nsenter, under the filter (seccomp.go)
+	}
 	s := &Server{w: bufio.NewWriter(os.Stdout), jails: map[string]*Jail{},
 		cancels: map[int64]chan struct{}{}, cancelled: map[int64]bool{}}
 	in := bufio.NewReaderSize(os.Stdin, 1<<20)
@@ -397,6 +401,7 @@ func (s *Server) reap(request *Obj) (map[string]any, error) {
 	for _, jail := range gone {
 		jail.Kill()
 		<-jail.done
+		jail.user.Release() // reapJails saw its pid 1 gone
 	}
 	seen := map[string]bool{}
 	removed := []string{}
