@@ -83,7 +83,12 @@ def _lock(dir_fd: int, directory: Path, uid: int) -> int | None:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_LINKS, 0o600, dir_fd=dir_fd)
         fresh = True  # nobody claimed it since boot (the directory is on a tmpfs): no process
     except FileExistsError:
-        fd = os.open(name, os.O_RDWR | _NO_LINKS, dir_fd=dir_fd)
+        try:
+            fd = os.open(name, os.O_RDWR | _NO_LINKS, dir_fd=dir_fd)
+        except OSError as exc:  # a link (ELOOP), a FIFO... where only root writes
+            raise SandboxStartError(
+                f"the sandbox uid claim {directory / name} cannot be opened: {exc.strerror}"
+            ) from None
         fresh = False
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pwd
 import subprocess
 import threading
 import uuid
@@ -14,12 +15,15 @@ import pytest
 
 from drivers import reference as reference_module
 from drivers.base import Launch
-from drivers.reference import ReferenceDriver, ReferenceSandbox
+from drivers.reference import SANDBOX_ENV, SESSION_ENV, ReferenceDriver, ReferenceSandbox
 from gpuhost import simulated
 from gpuhost.devices import DeviceNode, GpuDevice
 from gpuhost.errors import SandboxExecError, SandboxStartError
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
+from gpuhost.uids import SANDBOX_UIDS, runs_a_process
+from gpuhost.wait import wait_for
+from tests.other_user import setpriv
 
 
 @pytest.fixture
@@ -217,3 +221,50 @@ def test_a_missing_tool_says_how_to_name_it(
     monkeypatch.setattr(reference_module, "_TOOLS", ("no-such-bwrap",))
     reason = reference.probe().reason
     assert "GPU_SANDBOX_TOOL_NO_SUCH_BWRAP=/path/to/no-such-bwrap" in reason, reason
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, beside another user")
+def test_another_users_process_carrying_the_sessions_stamp_is_no_sandbox(
+    reference: ReferenceDriver,
+) -> None:
+    """Session ids are no secret (the lease files are 0644): only the owner tells a sandbox.
+
+    Another user starts a process named bwrap whose arguments carry this session's stamp; it
+    is not listed among the session's sandboxes, and the session's reap leaves it running.
+    """
+    stamp = ["--setenv", SESSION_ENV, reference.session_id, "--setenv", SANDBOX_ENV, "forged"]
+    forged = subprocess.Popen(
+        [*setpriv(), "bash", "-c", 'exec -a bwrap sh -c "sleep 60" "$@"', "sh", *stamp]
+    )
+    try:
+        with reference.create(SandboxSpec()) as sandbox:
+            wait_for(
+                lambda: Path(f"/proc/{forged.pid}/cmdline").read_bytes(),
+                lambda cmdline: cmdline.startswith(b"bwrap\0"),
+                timeout_s=5,
+                what="the forged process to start",
+            )
+            assert reference.sandboxes(reference.session_id) == [sandbox.id]
+        assert reference.reap(reference.session_id) == []
+        assert forged.poll() is None, "root's reap killed another user's process"
+    finally:
+        forged.kill()
+        forged.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox users are root-run sandboxes'")
+def test_each_sandbox_runs_as_a_host_user_of_its_own(reference: ReferenceDriver) -> None:
+    """Not one uid for all (keyrings and process limits are per host user), nor an account's."""
+    with reference.create(SandboxSpec()) as first, reference.create(SandboxSpec()) as second:
+        ids = [
+            sb.exec(["sh", "-c", "id -u; id -g"]).check().stdout.split() for sb in (first, second)
+        ]
+        assert ids[0] != ids[1]
+        for uid, gid in ids:
+            assert uid == gid
+            assert int(uid) in SANDBOX_UIDS
+            with pytest.raises(KeyError):
+                pwd.getpwuid(int(uid))
+        held = [int(uid) for uid, _ in ids]
+        assert all(runs_a_process(uid) for uid in held)
+    assert not any(runs_a_process(uid) for uid in held), "a sandbox's user outlived its close"
