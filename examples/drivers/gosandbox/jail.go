@@ -256,7 +256,15 @@ func (j *Jail) exited() bool {
 	}
 }
 
-func (j *Jail) Running() bool { return !j.exited() && processRunning(j.init, j.initStart) }
+// Running: bwrap not yet reaped and its pid 1 alive with its namespaces; an exiting pid 1
+// drops them (nsenter then fails to enter) before it is a zombie.
+func (j *Jail) Running() bool {
+	if j.exited() || !processRunning(j.init, j.initStart) {
+		return false
+	}
+	_, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", j.init))
+	return err == nil
+}
 
 // Close ends the jail: EOF to its init, then (past jailWait) SIGKILL; it returns once pid 1
 // is gone, bwrap may exit before it.
