@@ -371,3 +371,15 @@ def test_a_jsonl_driver_process_gets_the_fixed_environment(
     assert json.loads((tmp_path / "env.json").read_text()) == {
         "PATH": HOST_PATH, "LANG": "C.UTF-8",
     }  # fmt: skip
+
+
+def test_the_commands_image_flag_is_held_to_the_same_rule() -> None:
+    """`gpu-sandbox spec --image=--privileged`: the request's image, refused by name."""
+    done = subprocess.run(
+        [Path(sys.executable).parent / "gpu-sandbox", "spec",
+         f"--driver=exec:{EXAMPLES / 'openshell.yaml'}", "--gpu", "--image=--privileged"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert "(InvalidGpuRequest at template.image)" in done.stderr
+    assert "must not begin with '-'" in done.stderr
