@@ -10,6 +10,12 @@ into the paths the arguments name (``--conformance-json``, ``-html``, ``-markdow
 ``NAME.log`` under ``--lane-dir``. On two cores, one lane's engine waits overlap another's
 work (docs/benchmarks.md, "Lanes side by side").
 
+The lane directory is the runner's own: made 0700 (or checked to be a directory of this
+user's, through a descriptor, and made 0700), its files made new through that descriptor
+(``gpuhost.private``), and only what the runner's own lanes wrote there is read back: a
+lane's report that is not a regular file of this user's, or not a results document of that
+lane's driver alone, fails the lane by name and is never merged.
+
 Anywhere else it is one pytest run with the same arguments: real GPUs would be shared by the
 lanes (each expects the host's free GPUs to be its own), and named drivers, ``--sim-root``,
 ``--reap`` or ``--collect-only`` ask for one run.
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import contextlib
 import os
 import queue
 import signal
@@ -30,12 +36,22 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
-from conformance.report import Results
+from conformance.render import (
+    NOTHING_RAN,
+    matrix_lines,
+    skip_lines,
+    to_markdown,
+    visible,
+    write,
+    write_new,
+)
+from conformance.report import MAX_REPORT_BYTES, InvalidResults, Results
 from drivers import REGISTRY
+from gpuhost.private import NotPrivate, create, private_directory, read_own
+from gpuhost.strict import NotStrict, parse_json
 
 DEFAULT_JOBS = 2
 LONGEST_FIRST = ("kubernetes", "vm", "docker", "podman", "reference")
@@ -52,9 +68,14 @@ STOP_WAIT_S = 300.0
 class Lane:
     name: str
     directory: Path
+    fd: int
+    """The lane directory, open: every file of the lane's is made and read through it."""
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     seconds: float = 0.0
+    refused: str = ""
+    """Why its report was not read back, when it was not."""
+    _results: list[Results | None] = field(default_factory=list)
 
     @property
     def log(self) -> Path:
@@ -74,26 +95,45 @@ class Lane:
 
     def start(self, pytest_args: Sequence[str], env: dict[str, str], at_once: int) -> None:
         for stale in (self.json, self.junit):
-            stale.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale.name, dir_fd=self.fd)
         command = [
             sys.executable, "-m", "pytest", *pytest_args, f"--lane={self.name}",
             f"--lanes-at-once={at_once}",
             f"--conformance-json={self.json}", f"--junitxml={self.junit}",
             "-o", f"junit_suite_name=conformance-{self.name}",
         ]  # fmt: skip
-        with self.log.open("wb") as log:
+        log = create(self.fd, self.log.name, 0o644)
+        try:
             # A session of its own: a Ctrl-C reaches this runner alone, which hands each lane
             # one SIGINT, so that no second one cuts its teardown short.
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        finally:
+            os.close(log)
         self.started = time.monotonic()
 
     def results(self) -> Results | None:
+        """Its report, read back once: None (and why, in ``refused``) when there is none."""
+        if not self._results:
+            self._results.append(self._read())
+        return self._results[0]
+
+    def _read(self) -> Results | None:
         try:
-            return Results.from_json(json.loads(self.json.read_text()))
-        except (OSError, ValueError, KeyError):
+            data = read_own(self.fd, self.json.name, MAX_REPORT_BYTES)
+            results = Results.checked(parse_json(data.decode(errors="replace")))
+        except FileNotFoundError:
             return None
+        except (NotPrivate, NotStrict, InvalidResults) as exc:
+            self.refused = f"{self.json}: {exc}"
+            return None
+        others = sorted({*results.drivers, *(t["driver"] for t in results.tests)} - {self.name})
+        if others:
+            self.refused = f"{self.json}: results of drivers not of this lane: {', '.join(others)}"
+            return None
+        return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,8 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return _one_run(pytest_args, args)
     directory = args.lane_dir or _default_lane_dir(args)
-    directory.mkdir(parents=True, exist_ok=True)
-    lanes = [Lane(name, directory) for name in names]
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = private_directory(directory)
+    except NotPrivate as exc:
+        parser.error(f"--lane-dir: {exc}")
+    lanes = [Lane(name, directory, fd) for name in names]
     _say(
         f"{len(lanes)} lanes, {min(args.jobs, len(lanes))} at a time, each on a simulated "
         f"host of its own; their output in {directory}/<lane>.log"
@@ -230,7 +274,8 @@ def _finished_line(lane: Lane) -> str:
     results = lane.results()
     took = f"in {lane.seconds:.1f} s"
     if results is None:
-        return f"{lane.name}: exit {lane.returncode} without a report {took}; see {lane.log}"
+        without = f"its report refused ({lane.refused})" if lane.refused else "without a report"
+        return visible(f"{lane.name}: exit {lane.returncode} {without} {took}; see {lane.log}")
     outcomes = collections.Counter(test["outcome"] for test in results.tests)
     counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
     (verdict,) = results.verdicts
@@ -243,6 +288,8 @@ def _report(lanes: list[Lane], args: argparse.Namespace) -> int:
     for lane, results in parts:
         if lane.returncode != 0 or results is None:
             _print_failures(lane)
+        if lane.refused:
+            _say(visible(f"{lane.name}: FAILED: its report is refused, not merged: {lane.refused}"))
     reported = [results for _, results in parts if results is not None]
     merged = Results.merged(reported) if reported else None
     if merged is not None:
@@ -253,7 +300,7 @@ def _report(lanes: list[Lane], args: argparse.Namespace) -> int:
                 summary.write(to_markdown(merged))
         _print_summary(merged, reported)
     if args.junitxml:
-        _merge_junit([lane.junit for lane in lanes if lane.junit.is_file()], args.junitxml)
+        _merge_junit([lane for lane in lanes if not lane.refused], args.junitxml)
     codes = [lane.returncode or 0 for lane in lanes]
     if any(code not in (0, 1) for code in codes):  # interrupted, internal or usage errors
         return next(code for code in codes if code not in (0, 1))
@@ -265,9 +312,10 @@ def _report(lanes: list[Lane], args: argparse.Namespace) -> int:
 def _print_failures(lane: Lane) -> None:
     """The lane's short test summary (its failures, one a line), or its log's last lines."""
     try:
-        lines = lane.log.read_text(errors="replace").splitlines()
+        text = read_own(lane.fd, lane.log.name, MAX_REPORT_BYTES).decode(errors="replace")
     except OSError:
         return
+    lines = [visible(line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if "short test summary info" in line]
     shown = lines[starts[-1] + 1 :] if starts else lines[-30:]
     ends = [i for i, line in enumerate(shown) if line.startswith("=")] if starts else []
@@ -293,13 +341,25 @@ def _print_summary(results: Results, parts: list[Results]) -> None:
     print("\n".join(lines), flush=True)  # noqa: T201
 
 
-def _merge_junit(parts: list[Path], path: Path) -> None:
-    """One ``<testsuites>`` holding each lane's ``<testsuite>``."""
+def _merge_junit(lanes: list[Lane], path: Path) -> None:
+    """One ``<testsuites>`` holding each lane's ``<testsuite>``: those its lane wrote.
+
+    A lane's JUnit XML is read as its JSON is (a regular file of this user's in the lane
+    directory), without a document type (no entity is expanded); one that is not is left
+    out, named.
+    """
     merged = ET.Element("testsuites", name="conformance")
-    for part in parts:
-        merged.extend(ET.parse(part).getroot().iter("testsuite"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(merged).write(path, encoding="utf-8", xml_declaration=True)
+    for lane in lanes:
+        try:
+            data = read_own(lane.fd, lane.junit.name, MAX_REPORT_BYTES)
+            if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
+                raise ValueError("has a document type")
+            merged.extend(ET.fromstring(data).iter("testsuite"))
+        except FileNotFoundError:
+            continue
+        except (NotPrivate, ValueError, ET.ParseError) as exc:
+            _say(visible(f"{lane.name}: its JUnit XML {lane.junit} is refused: {exc}"))
+    write_new(path, ET.tostring(merged, encoding="utf-8", xml_declaration=True))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,21 @@
-"""A run's results as people read them: the text table, the HTML matrix, the Markdown summary."""
+"""A run's results as people read them: the text table, the HTML matrix, the Markdown summary.
+
+What drivers and payloads said (messages, skip reasons, versions, the host's description)
+is held as it was said, and made inert where it is shown: on the terminal its control
+characters are written out (``visible``: an escape sequence or a carriage return cannot
+repaint the verdicts), in HTML it is escaped, and in Markdown (the CI step summary) every
+character that could make a link, an image, HTML, emphasis or a table cell of it is escaped
+(``_md``).
+"""
 
 from __future__ import annotations
 
 import collections
 import html
 import json
+import os
+import re
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +41,15 @@ MARKS: dict[Status, str] = {
 }
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+"""C0 and C1 control characters, DEL and the Unicode line breaks; the tab is kept."""
+
+
+def visible(text: str) -> str:
+    r"""``text`` for one line of a terminal: each control character written as ``\xNN``."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def gpus_line(results: Results) -> str:
     header = results.header
     if not header.get("gpu_count"):
@@ -53,7 +73,7 @@ def skip_lines(reasons: Iterable[str]) -> list[str]:
             not_applicable += 1
         else:
             counted[reason] += 1
-    lines = [f"{count:4d}  {reason}" for reason, count in counted.most_common()]
+    lines = [f"{count:4d}  {visible(reason)}" for reason, count in counted.most_common()]
     if not_applicable:
         lines.append(f"{not_applicable:4d}  not applicable (n/a in the matrix)")
     return lines
@@ -61,14 +81,14 @@ def skip_lines(reasons: Iterable[str]) -> list[str]:
 
 def matrix_lines(results: Results) -> list[str]:
     """The terminal's summary: the host, the drivers with their versions, the matrix."""
-    lines = [f"GPU host: {results.header['host']}"]
+    lines = [f"GPU host: {visible(str(results.header['host']))}"]
     if results.header["simulated"]:
         lines.append("These results used SIMULATED GPUs.")
     versions = [
         f"{name} ({info['version']})" if info["version"] else name
         for name, info in results.drivers.items()
     ]
-    return [*lines, f"drivers: {', '.join(versions)}", *text_table(results)]
+    return [*lines, visible(f"drivers: {', '.join(versions)}"), *text_table(results)]
 
 
 def text_table(results: Results) -> list[str]:
@@ -79,7 +99,7 @@ def text_table(results: Results) -> list[str]:
     for req, row in results.cells.items():
         statuses = (row[driver].status for driver in drivers)
         lines.append(req.ljust(first) + "".join(status.ljust(width) for status in statuses))
-    return [line.rstrip() for line in lines]
+    return [visible(line.rstrip()) for line in lines]
 
 
 STYLE = """
@@ -179,9 +199,22 @@ def _version(results: Results, driver: str) -> str:
     return str(results.drivers[driver].get("version") or "")
 
 
+_MD_SPECIAL = re.compile(r"[\\`*_~\[\]()!<>&|$#{}]|(?<=[wW]{3})\.|:(?=//)")
+"""What Markdown (GitHub's) could read as syntax inside a line: code, emphasis, links and
+images, HTML and entities, a table's cell break, math, references, and the starts of
+autolinks (``www.``, ``http://``)."""
+_AT = "@\u200b"
+"""``@`` and a zero-width space: no e-mail autolink or mention is made of an address, which
+GitHub links whatever its characters' escapes."""
+
+
 def _md(value: object) -> str:
-    """Text safe in a Markdown table cell: escaped HTML, no pipes, one line."""
-    return html.escape(" ".join(str(value).split())).replace("|", "\\|")
+    """Text inert in a Markdown line or table cell: one line, its syntax backslash-escaped.
+
+    No link, image, autolink, HTML or table break of what drivers and payloads said is live.
+    """
+    text = " ".join(visible(str(value)).split())
+    return _MD_SPECIAL.sub(lambda m: "\\" + m.group(), text).replace("@", _AT)
 
 
 def to_markdown(results: Results) -> str:
@@ -239,5 +272,23 @@ def write(
 
 
 def _write(path: Path, text: str) -> None:
+    """``text`` as the file ``path``, written as a new file then renamed over the path.
+
+    The new file is made O_CREAT|O_EXCL|O_NOFOLLOW (``mkstemp``): a link planted at the
+    path is replaced, never written through, and no file already there is written into.
+    """
+    write_new(path, text.encode())
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """``data`` as the file ``path`` (0644), made new and renamed over it (``_write``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            os.fchmod(file.fileno(), 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,10 +30,13 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 import pytest
 
-from conformance.render import write
+from conformance.render import visible, write
+from gpuhost import strict
 
 Status = Literal["passed", "partial", "failed", "skipped", "not applicable", "not run"]
 MESSAGE_CHARS = 300
+MAX_REPORT_BYTES = 256 << 20
+"""A results document read back: far over a whole catalogue's of every driver (a few MiB)."""
 
 
 class Entry(TypedDict):
@@ -111,6 +113,12 @@ class Verdict:
     driver: str
     status: Literal["PASS", "FAIL", "NOT RUN"]
     detail: str
+    """One line, its control characters written out (``render.visible``): it quotes what
+    drivers and payloads said, and goes to the terminal as it is."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "driver", visible(self.driver))
+        object.__setattr__(self, "detail", visible(self.detail))
 
     @property
     def summary(self) -> str:
@@ -254,6 +262,21 @@ class Results:
         }
 
     @classmethod
+    def checked(cls, document: object) -> Results:
+        """The results of a document read back, once it is one (``RESULTS_SCHEMA``).
+
+        ``InvalidResults`` naming the first field that is not as the recorder writes it.
+        """
+        import jsonschema  # a dependency of the plugin's; imported where a report is read
+
+        validator = jsonschema.Draft202012Validator(RESULTS_SCHEMA)
+        for error in validator.iter_errors(document):
+            field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
+            raise InvalidResults(field.lstrip(".") or "(document)", error.message)
+        assert isinstance(document, dict)
+        return cls.from_json(document)
+
+    @classmethod
     def from_json(cls, document: dict[str, Any]) -> Results:
         derived = ("drivers", "requirements", "tests", "matrix", "verdicts")
         return cls(
@@ -286,6 +309,76 @@ class Results:
             requirements=[{**row, "levels": levels[str(row["id"])]} for row in first.requirements],
             tests=[test for part in parts for test in part.tests],
         )
+
+
+class InvalidResults(ValueError):
+    """A results document that is not as the recorder writes it: ``field`` is where."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {visible(problem)[:300]}")
+        self.field = field
+
+
+_TEXT = {"type": "string"}
+_ENTRY_TEXT = (
+    "nodeid", "requirement", "driver", "level", "message", "unavailable", "gpu_model", "declared",
+)  # fmt: skip
+RESULTS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["session", "simulated", "host", "drivers", "requirements", "tests"],
+    "properties": {
+        **{key: _TEXT for key in ("session", "host", "hostname", "generated", "gpu_model")},
+        "simulated": {"type": "boolean"},
+        "require_complete": {"type": "boolean"},
+        "gpu_count": {"type": "integer", "minimum": 0},
+        "drivers": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["version", "explicit"],
+                "properties": {"version": _TEXT, "explicit": {"type": "boolean"}},
+            },
+        },
+        "requirements": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["id", "statement", "levels"],
+                "properties": {
+                    "id": _TEXT,
+                    "statement": _TEXT,
+                    "levels": {
+                        "type": "object",
+                        "additionalProperties": {
+                            "enum": ["mandatory", "optional", "not applicable"]
+                        },
+                    },
+                },
+            },
+        },
+        "tests": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [key for key in _ENTRY_TEXT if key != "declared"]
+                + ["outcome", "gpu_count", "simulated"],
+                "properties": {
+                    **{key: _TEXT for key in _ENTRY_TEXT},
+                    "outcome": {"enum": ["passed", "failed", "skipped", "error"]},
+                    "gpu_count": {"type": "integer", "minimum": 0},
+                    "simulated": {"type": "boolean"},
+                },
+            },
+        },
+        "matrix": {"type": "object"},
+        "verdicts": {"type": "object"},
+    },
+}
+"""What ``Results.to_json`` writes; a document read back is held to it (``Results.checked``)."""
 
 
 def _why_none_ran(cells: dict[str, Cell], unavailable: list[str], applies: list[str]) -> str:
@@ -334,7 +427,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--html", type=Path, help="default: beside the JSON, .html")
     parser.add_argument("--markdown", type=Path, help="default: beside the JSON, .md")
     args = parser.parse_args(None if argv is None else list(argv))
-    results = Results.from_json(json.loads(args.json.read_text()))
+    results = Results.checked(strict.read_json(args.json, max_bytes=MAX_REPORT_BYTES))
     html_path = args.html or args.json.with_suffix(".html")
     md_path = args.markdown or args.json.with_suffix(".md")
     write(results, html_path=html_path, md_path=md_path)

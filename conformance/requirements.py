@@ -17,14 +17,16 @@ from __future__ import annotations
 import functools
 import re
 import reprlib
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
+from gpuhost import strict
 from gpuhost.errors import digits
+from gpuhost.strict import InvalidFile as InvalidFile
+from gpuhost.strict import Unreadable
+from gpuhost.strict import member as member
 
 REQUIREMENTS_FILE = Path(__file__).with_name("REQUIREMENTS.yaml")
 
@@ -33,21 +35,6 @@ LEVELS: tuple[Level, ...] = ("mandatory", "optional", "not applicable")
 ID = re.compile(r"[A-Z][A-Z0-9-]{0,62}[A-Z0-9]")
 """A requirement id: upper case letters, digits and dashes, such as GPU-COUNT-01."""
 _DRIVER = re.compile(r"[a-z][a-z0-9-]{0,62}")
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
-MAX_YAML_BYTES = 64 << 10
-"""Four times the largest YAML file of the suite's; the reader takes up to 3 s on one this size."""
-MAX_YAML_DEPTH = 16
-"""Deeper than any of the suite's YAML files nests, far short of Python's recursion limit."""
-
-
-class InvalidFile(ValueError):
-    """A YAML file of the suite's that cannot be used: ``field`` is where, ``value`` what."""
-
-    def __init__(self, source: Path, field: str, value: object, problem: str) -> None:
-        super().__init__(f"{source}: {field}: {problem}")
-        self.source = source
-        self.field = field
-        self.value = value
 
 
 class RequirementsError(InvalidFile):
@@ -196,116 +183,18 @@ def listed(source: Path, field: str, value: object, error: type[InvalidFile]) ->
     return value
 
 
-# -- the suite's YAML, read strictly ----------------------------------------------------------
+# -- the suite's YAML, read strictly -------------------------------------------------------
 
 
 def read_yaml(path: Path, error: type[InvalidFile]) -> object:
-    """The YAML document of ``path``, else ``error`` for the field ``(document)``.
+    """The YAML document of ``path``, read by ``gpuhost.strict``; else ``error`` naming the field.
 
-    UTF-8, at most ``MAX_YAML_BYTES``, one document without anchors, aliases (an alias bomb
-    is refused before it is expanded) or tags, no key twice, nested ``MAX_YAML_DEPTH`` deep
-    at most. A scalar Python cannot hold (an integer of over 4,300 digits, a date of the
-    13th month) is read as an ``Unreadable``, for the field that holds it to refuse.
+    UTF-8, at most 64 KiB, one document without anchors, aliases (an alias bomb is refused
+    before it is expanded), tags or merge keys, no key twice, no number that is not finite,
+    nested 16 deep at most. A scalar Python cannot hold (an integer of over 4,300 digits, a
+    date of the 13th month) is read as an ``Unreadable``, for the field that holds it to refuse.
     """
-    try:
-        with path.open("rb") as file:
-            data = file.read(MAX_YAML_BYTES + 1)
-    except OSError as exc:
-        raise error(path, "(document)", None, f"cannot be read: {exc.strerror}") from exc
-    if len(data) > MAX_YAML_BYTES:
-        raise error(path, "(document)", None, f"is over {MAX_YAML_BYTES} bytes")
-    try:
-        text = data.decode()
-    except UnicodeDecodeError as exc:
-        bad = data[exc.start : exc.end]
-        raise error(
-            path, "(document)", bad, f"is not UTF-8: {bad!r} at byte offset {exc.start}"
-        ) from exc
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        problem = f"is not YAML as the suite reads it: {_problem(exc)}"
-        raise error(path, "(document)", None, problem) from exc
-
-
-class Unreadable:
-    """A YAML scalar Python cannot hold as its type, standing in for it."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __repr__(self) -> str:
-        return self.what
-
-
-class _Loader(yaml.SafeLoader):
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.depth = 0
-
-    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
-        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
-            sign, what = (
-                ("*", "an alias") if isinstance(event, yaml.AliasEvent) else ("&", "an anchor")
-            )
-            problem = f"{what} {shown(sign + event.anchor)}: anchors and aliases are not allowed"
-            raise _refused(event, problem)
-        if isinstance(event, yaml.ScalarEvent | yaml.CollectionStartEvent) and event.tag:
-            raise _refused(event, f"the tag {shown(event.tag)}: tags are not allowed")
-        self.depth += 1
-        try:
-            if self.depth > MAX_YAML_DEPTH:
-                raise _refused(event, f"nested over {MAX_YAML_DEPTH} deep")
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        mapping = super().construct_mapping(node, deep)
-        if len(mapping) < len(node.value):
-            seen: set[Hashable] = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {shown(key)} is given twice", key_node.start_mark
-                    )
-                seen.add(key)
-        return mapping
-
-
-def _refused(event: yaml.Event, problem: str) -> yaml.YAMLError:
-    mark = event.start_mark if isinstance(event.start_mark, yaml.Mark) else None
-    return yaml.composer.ComposerError(None, None, problem, mark)
-
-
-def _integer(loader: _Loader, node: yaml.ScalarNode) -> object:
-    try:
-        return loader.construct_yaml_int(node)
-    except ValueError:  # over sys.get_int_max_str_digits()
-        return Unreadable(f"an integer of {sum(c.isdigit() for c in node.value)} digits")
-
-
-def _timestamp(loader: _Loader, node: yaml.ScalarNode) -> object:
-    try:
-        return loader.construct_yaml_timestamp(node)
-    except ValueError as exc:
-        return Unreadable(f"the impossible date {shown(node.value)}: {exc}")
-
-
-_Loader.add_constructor("tag:yaml.org,2002:int", _integer)
-_Loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp)
-
-
-def _problem(exc: yaml.YAMLError) -> str:
-    """What YAML found wrong, on one line: where and what, without its quote of the text."""
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
-        mark = exc.problem_mark
-        return (
-            f"line {mark.line + 1}, column {mark.column + 1}: {' '.join(str(exc.problem).split())}"
-        )
-    return " ".join(str(exc).split())
+    return strict.read_yaml(path, error)
 
 
 # -- values in messages -----------------------------------------------------------------------
@@ -332,13 +221,6 @@ def shown(value: object) -> str:
     elif isinstance(value, list | dict) and len(value) > _SHORT.maxlist:
         text += f" ({len(value)} items)"
     return text if len(text) <= 160 else f"{text[:157]}..."
-
-
-def member(where: str, key: object) -> str:
-    """``where.key``, or ``where[<key shown>]`` for a key that is no plain word."""
-    if isinstance(key, str) and _WORD.fullmatch(key):
-        return f"{where}.{key}" if where else key
-    return f"{where}[{shown(key)}]"
 
 
 def _digits(number: int) -> str:

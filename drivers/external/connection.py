@@ -56,8 +56,11 @@ class Connection:
     def __init__(
         self, argv: Sequence[str], cwd: str, hello: Mapping[str, Any],
         check_hello: Callable[[dict[str, Any]], None], hello_timeout: float,
+        env: Mapping[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.argv = list(argv)
+        self.env = None if env is None else dict(env)
+        """The driver process's whole environment (None: this process's)."""
         self.cwd = cwd
         self.hello_request = dict(hello)
         self.check_hello = check_hello
@@ -102,7 +105,7 @@ class Connection:
         try:
             process = subprocess.Popen(
                 self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.cwd,
-                start_new_session=True,
+                start_new_session=True, env=self.env,
             )  # fmt: skip
         except OSError as exc:
             raise DriverError(f"cannot start the driver process {shown(self.argv)}: {exc}") from exc

@@ -2,40 +2,43 @@
 
 ``Driver.create`` plans and (``allocation: host-registry``) leases as for any built-in
 driver; ``start`` renders the create template with the leased GPUs' IDs and runs it. Every
-command runs in a process group of its own, under the manifest's timeout: at expiry the
-group gets SIGTERM, then SIGKILL, and the suite's typed error is raised.
+command runs in a process group of its own, under the manifest's timeout, with a fixed
+environment (``drivers.external.process``). A value that would begin a word of an argv
+with ``-`` (an image ``--privileged``) is refused, naming its field, before anything is
+leased or run (``drivers.external.templates.OptionLike``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
 from drivers.external.manifest import RESERVED_CONFIG_KEYS, Manifest
-from drivers.external.templates import CreateRequest, render, render_create
+from drivers.external.process import PIPE, checked, command_env, finish, run_operation, spawn
+from drivers.external.process import ExternalDriverError as ExternalDriverError
+from drivers.external.process import OperationTimedOut as OperationTimedOut
+from drivers.external.templates import CreateRequest, OptionLike, render, render_create
 from gpuhost.devices import CDI_KIND, GpuDevice
 from gpuhost.errors import (
-    DriverError,
     InvalidDriverConfig,
+    InvalidGpuRequest,
     SandboxExecError,
     SandboxStartError,
     shown,
 )
 from gpuhost.leases import Holder
-from gpuhost.procfs import kill_marked
 from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan, SandboxSpec
 
-PIPE = subprocess.PIPE
-TERM_GRACE_S = 2.0
-"""How long a timed-out command's process group has between SIGTERM and SIGKILL."""
+DRY_RUN_ID = "0" * 12
+"""The sandbox id of the create argv rendered at plan time, to check the request's values."""
 REAP_POLL_S = 0.2
 FORM_TEXT = {
     "index": "a host index",
@@ -47,99 +50,6 @@ FORM_TEXT = {
 CONFIG_TYPES: Mapping[str, type | tuple[type, ...]] = {
     "string": str, "integer": int, "boolean": bool, "list": list,
 }  # fmt: skip
-
-
-class ExternalDriverError(DriverError):
-    """An operation of an external driver failed: its command, exit code and stderr."""
-
-
-class OperationTimedOut(ExternalDriverError):
-    """An operation ran past the manifest's timeout; its process group was killed."""
-
-
-def terminate_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group of ``process``, then SIGKILL it after ``TERM_GRACE_S``."""
-    for sig, grace in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-        if grace is None:
-            break
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; what it started may not be: the group still gets SIGKILL.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def spawn(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    stdout: int = PIPE,
-    stderr: int = PIPE,
-    stdin: int = subprocess.DEVNULL,
-) -> subprocess.Popen[bytes]:
-    """``argv`` started in a process group of its own, no stdin, ``env`` over ours."""
-    return subprocess.Popen(
-        list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
-        start_new_session=True, env={**os.environ, **env},
-    )  # fmt: skip
-
-
-def finish(
-    process: subprocess.Popen[bytes],
-    timeout: float,
-    needle: bytes | None = None,
-    data: bytes | None = None,
-) -> tuple[bytes, bytes] | None:
-    """Its output, once it ends within ``timeout``; None once it is killed at the timeout.
-
-    At the timeout its process group is killed, and, given a ``needle``, every process
-    carrying it (what an exec started, wherever it went).
-    """
-    try:
-        out, err = process.communicate(data, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        if needle is not None:
-            kill_marked(needle)
-        terminate_group(process)
-        process.communicate()
-        return None
-    return out or b"", err or b""
-
-
-def run_operation(
-    argv: Sequence[str], timeout: float, what: str, data: bytes | None = None
-) -> subprocess.CompletedProcess[bytes]:
-    """Run ``argv`` in a process group of its own, within ``timeout`` seconds.
-
-    ``data`` goes on its stdin (else it has none).
-    ``OperationTimedOut`` (with "timeout" in its message) once the group is killed;
-    ``ExternalDriverError`` when the program cannot be started.
-    """
-    try:
-        process = spawn(argv, {}, stdin=subprocess.DEVNULL if data is None else PIPE)
-    except OSError as exc:
-        raise ExternalDriverError(f"{what}: cannot run {shown(list(argv))}: {exc}") from exc
-    output = finish(process, timeout, data=data)
-    if output is None:
-        raise OperationTimedOut(
-            f"{what}: {shown(list(argv))} ran past its timeout of {timeout:g} s; its process "
-            "group was sent SIGTERM, then SIGKILL"
-        )
-    return subprocess.CompletedProcess(list(argv), process.returncode, *output)
-
-
-def checked(done: subprocess.CompletedProcess[bytes], what: str) -> str:
-    """The stdout of a command that succeeded; ``ExternalDriverError`` naming it otherwise."""
-    if done.returncode != 0:
-        raise ExternalDriverError(
-            f"{what}: {shown(done.args)} exited {done.returncode}: "
-            f"{done.stderr.decode(errors='replace').strip()}"
-        )
-    return done.stdout.decode(errors="replace")
 
 
 class ExternalDriver(Driver):
@@ -172,10 +82,18 @@ class ExternalDriver(Driver):
             "session_id": self.session_id, "driver": self.name, "cdi_kind": kind, **more,
         }  # fmt: skip
 
+    @functools.cached_property
+    def env(self) -> dict[str, str]:
+        """What every command runs with: the host's PATH and LANG, the manifest's passEnv."""
+        return command_env(self.manifest.pass_env)
+
     def operation(self, op: str, what: str, **more: str) -> subprocess.CompletedProcess[bytes]:
         """Run the template ``op`` with ``more`` variables, under its timeout."""
-        argv = render(self.manifest.templates[op], self.values(**more))
-        return run_operation(argv, self.manifest.timeouts[op], f"{self.name} {what}")
+        try:
+            argv = render(self.manifest.templates[op], self.values(**more))
+        except OptionLike as exc:
+            raise ExternalDriverError(f"{self.name} {what}: {exc}") from exc
+        return run_operation(argv, self.manifest.timeouts[op], f"{self.name} {what}", env=self.env)
 
     # -- the devices -------------------------------------------------------------------
 
@@ -259,7 +177,10 @@ class ExternalDriver(Driver):
                         request.field(key), value,
                         f"{request.field(key)} must be a {declared.type}, got {shown(value)}",
                     )  # fmt: skip
-        return super().plan(request)
+        plan = super().plan(request)
+        gpus = plan.gpus if plan is not None else ()
+        self.create_argv(Launch(DRY_RUN_ID, request, plan, gpus, lambda holder: None))
+        return plan
 
     def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         if self.manifest.host_registry:
@@ -311,16 +232,52 @@ class ExternalDriver(Driver):
             config={k: v for k, v in request.config.items() if k not in RESERVED_CONFIG_KEYS},
         )
 
-    def create_argv(self, sandbox_id: str, request: CreateRequest) -> list[str]:
-        return render_create(self.manifest, request, self.values(sandbox_id=sandbox_id))
+    def create_argv(self, launch: Launch) -> list[str]:
+        """The create template's argv; a value that would be read as an option is refused.
+
+        A value of the request, ``--image`` or the user's device IDs is an
+        ``InvalidGpuRequest`` naming its field; one of the driver's own (an inventory's ID),
+        a ``SandboxStartError``.
+        """
+        request = self.create_request(launch)
+        try:
+            return render_create(self.manifest, request, self.values(sandbox_id=launch.sandbox_id))
+        except OptionLike as exc:
+            field = self.field_of(exc, launch)
+            if not field:
+                raise SandboxStartError(f"{self.name} create: {exc}") from exc
+            error = (
+                InvalidDriverConfig if field.startswith("template.driver_") else InvalidGpuRequest
+            )
+            raise error(
+                field, exc.value,
+                f"{field} must not begin with '-' where {self.name}'s create template puts it "
+                f"at the start of an argv word ({shown(exc.element)}, before any '--'): the CLI "
+                f"would read it as an option; got {shown(exc.value)}",
+            ) from exc  # fmt: skip
+
+    def field_of(self, exc: OptionLike, launch: Launch) -> str:
+        """The request's field (or option) that gave the refused value; "" for the driver's."""
+        block = f"template.driver_config.{self.name}"
+        fields = {
+            "image": "template.image" if launch.request.image is not None else "--image",
+            "env_key": "template.env",
+            "env_value": f"template.env.{exc.item.get('env_key', '')}",
+            "value": f"{block}.{exc.key}",
+            "mig_profile": f"{block}.mig_profile",
+            "vendor": f"{block}.vendor",
+        }
+        if not self.manifest.host_registry and launch.plan is not None:
+            fields["device_id"] = launch.plan.field  # the user's own IDs, handed on as given
+        return fields.get(exc.variable, "")
 
     def start(self, launch: Launch) -> Sandbox:
         sid = launch.sandbox_id
-        argv = self.create_argv(sid, self.create_request(launch))
+        argv = self.create_argv(launch)
         what = f"create of sandbox {sid}"
         data = self.stdin_request(launch) if self.manifest.request_on_stdin else None
         try:
-            done = run_operation(argv, self.manifest.timeouts["create"], what, data)
+            done = run_operation(argv, self.manifest.timeouts["create"], what, data, self.env)
             out = checked(done, what)
         except ExternalDriverError as exc:
             self._discard(sid, sid)
@@ -328,9 +285,10 @@ class ExternalDriver(Driver):
         native = out.strip().splitlines()[-1].strip() if out.strip() else ""
         if self.manifest.sandbox_id == "adapter":
             native = sid
-        if not native:
+        if not native or native.startswith("-"):
             self._discard(sid, sid)
-            raise SandboxStartError(f"{what}: {shown(argv)} printed no sandbox id on stdout")
+            said = f"printed the id {shown(native)}" if native else "printed no sandbox id"
+            raise SandboxStartError(f"{what}: {shown(argv)} {said} on stdout")
         try:
             holder = Holder.process(os.getpid())
             if "ready" in self.manifest.templates:
@@ -373,8 +331,9 @@ class ExternalDriver(Driver):
 
     def probe(self) -> Availability:
         program = self.manifest.templates["create"][0]
-        if shutil.which(program) is None:
-            return Availability(False, f"needed {program} on PATH (found none)")
+        path = self.env["PATH"]
+        if shutil.which(program, path=path) is None:
+            return Availability(False, f"needed {program} on PATH (found none in {path})")
         try:
             self.sandboxes(self.session_id)
         except ExternalDriverError as exc:
@@ -438,7 +397,12 @@ class ExternalSandbox(Sandbox):
     def exec_argv(self, command: Command) -> list[str]:
         manifest = self._adapter.manifest
         env = tuple({"env_key": k, "env_value": v} for k, v in command.env.items())
-        argv = render(manifest.templates["exec"], self.values(), {"env": env}, manifest.fragments)
+        try:
+            argv = render(
+                manifest.templates["exec"], self.values(), {"env": env}, manifest.fragments
+            )
+        except OptionLike as exc:
+            raise SandboxExecError(f"{self.driver}'s exec in {self.id}: {exc}") from exc
         return [*argv, *command.argv]
 
     def run(self, command: Command, output: Output) -> int:
@@ -446,7 +410,7 @@ class ExternalSandbox(Sandbox):
         fds = output.fds or (PIPE, PIPE)
         try:
             # The marker in the CLI's own environment too: a timeout finds it on this host.
-            process = spawn(argv, command.env, *fds)
+            process = spawn(argv, {**self._adapter.env, **command.env}, *fds)
         except OSError as exc:
             raise SandboxExecError(f"cannot run {shown(argv)}: {exc}") from exc
         done = finish(process, command.timeout, command.needle)

@@ -93,8 +93,9 @@ class JsonlDriver(ExternalDriver):
             },
         }  # fmt: skip
         conn = Connection(
-            argv, str(manifest.path.parent), hello, self._check_hello, manifest.timeouts["hello"]
-        )
+            argv, str(manifest.path.parent), hello, self._check_hello, manifest.timeouts["hello"],
+            self.env,
+        )  # fmt: skip
 
         def reap_dead(sessions: set[str]) -> None:
             for session in sorted(sessions):

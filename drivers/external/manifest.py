@@ -6,6 +6,7 @@ and the value, raised before any sandbox is made.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from drivers.external.schema import FRAGMENTS, SCHEMA, TEMPLATES_ONLY
+from gpuhost import strict
 from gpuhost.errors import shown
 
 VARIABLE = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_.]*)\}(?!\})")
@@ -97,9 +99,11 @@ class Manifest:
     command: tuple[str, ...] = ()
     """Mode jsonl: the driver process's argv."""
     inventory: bool = False
+    """Whether the driver says which GPUs it could give (templates.inventory, or the message)."""
     request_on_stdin: bool = False
     """Mode templates: create reads the request as JSON on its stdin."""
-    """Whether the driver says which GPUs it could give (templates.inventory, or the message)."""
+    pass_env: tuple[str, ...] = ()
+    """The caller's variables its commands are given, beside the fixed PATH and LANG."""
 
     @property
     def host_registry(self) -> bool:
@@ -107,19 +111,14 @@ class Manifest:
 
 
 def load(path: Path | str) -> Manifest:
-    """The manifest at ``path``, checked; ``ManifestError`` naming the key otherwise."""
-    import yaml
+    """The manifest at ``path``, checked; ``ManifestError`` naming the key otherwise.
 
+    Read by ``gpuhost.strict``: a key given twice, anchors and aliases, tags, merge keys and
+    numbers that are not finite are refused, naming the key and its line, as is a file over
+    64 KiB or not UTF-8.
+    """
     path = Path(path).resolve()
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(path, "(file)", str(path), f"cannot read the manifest: {exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ManifestError(path, "(file)", str(path), f"not YAML: {exc}") from exc
-    return parse(data, path)
+    return parse(strict.read_yaml(path, ManifestError), path)
 
 
 def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
@@ -145,6 +144,7 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         command=tuple(data.get("command", ())),
         request_on_stdin=bool(data.get("requestOnStdin")),
         inventory=bool(data.get("inventory")) or "inventory" in data.get("templates", {}),
+        pass_env=tuple(data.get("passEnv", ())),
     )
     check_coherent(manifest, path)
     return manifest
@@ -162,6 +162,7 @@ def check_schema(data: Any, path: Path | str) -> None:
                 raise ManifestError(
                     path, key, data[key], f"a key of mode {other}, not of mode {mode}"
                 )
+    _check_finite(data, path, "")
     validator = jsonschema.Draft202012Validator(SCHEMA)
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     if not errors:
@@ -170,6 +171,18 @@ def check_schema(data: Any, path: Path | str) -> None:
     key, value, message = found[0]
     more = "".join(f"; {k}: {m} (got {shown(v)})" for k, v, m in found[1:])
     raise ManifestError(path, key, value, message + more)
+
+
+def _check_finite(data: Any, path: Path | str, at: str) -> None:
+    """No NaN or infinity anywhere: NaN passes every range check of the schema."""
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ManifestError(path, at or "(top)", data, "must be a finite number")
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            _check_finite(value, path, f"{at}.{key}" if at else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _check_finite(value, path, f"{at}[{i}]")
 
 
 def _located(error: Any) -> tuple[str, Any, str]:

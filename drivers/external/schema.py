@@ -47,7 +47,13 @@ _FRAGMENT: dict[str, Any] = {
     "items": {"type": "string"},
     "description": "Arguments emitted only when the request sets the field.",
 }
-_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 3600}
+_SECONDS = {
+    "type": "number",
+    "exclusiveMinimum": 0,
+    "maximum": 3600,
+    "description": "Seconds: a finite number over 0, at most 3600 (NaN and infinities refused).",
+}
+ENV_NAME: Final = "^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 TEMPLATES_ONLY: Final = (
     "templates",
     "fragments",
@@ -121,7 +127,16 @@ SCHEMA: Final[dict[str, Any]] = {
             "default": "stdout",
             "description": "stdout: create prints the driver's id; adapter: {sandbox_id} is it.",
         },
-        "defaultImage": {"type": "string", "minLength": 1},
+        "defaultImage": {"type": "string", "minLength": 1, "pattern": "^[^-]"},
+        "passEnv": {
+            "type": "array",
+            "items": {"type": "string", "pattern": ENV_NAME},
+            "uniqueItems": True,
+            "description": (
+                "The variables of the caller's environment the driver's commands are given, "
+                "beside the fixed PATH and LANG; no other is passed."
+            ),
+        },
         "requestOnStdin": {
             "type": "boolean",
             "default": False,

@@ -54,6 +54,7 @@ from gpuhost.errors import (
     shown,
 )
 from gpuhost.host import GpuHost
+from gpuhost.private import NotPrivate, private_directory
 from gpuhost.simulated.pci_proxy import GpuFunctionBusy
 from gpuhost.spawn import stop_process
 from gpuhost.spec import DEVICE_IDS_KEY, DriverCapabilities, DriverRequest, GpuPlan
@@ -73,7 +74,10 @@ class VmDriver(Driver):
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         super().__init__(host, session_id, image)
-        self.run_dir = Path(os.environ.get(RUN_DIR_ENV) or _default_run_dir())
+        named = os.environ.get(RUN_DIR_ENV)
+        self.run_dir = Path(named or _default_run_dir())
+        self.run_dir_refused = "" if named or os.geteuid() == 0 else _own_run_dir(self.run_dir)
+        """Why the default run directory of a user other than root is not used, if it is not."""
         self.memory_mib = int(os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY_MIB)
         self.passthrough = passthrough_for(host, self.run_dir)
         self._accel: tuple[str, str] | None = None
@@ -205,6 +209,8 @@ class VmDriver(Driver):
     # -- can it run here --------------------------------------------------------------------
 
     def probe(self) -> Availability:
+        if self.run_dir_refused:
+            return Availability(False, self.run_dir_refused)
         missing = missing_tools((QEMU, "setpriv"))
         if missing:
             return Availability(
@@ -245,6 +251,8 @@ class VmDriver(Driver):
 
     def acceleration(self) -> tuple[str, str]:
         """``("kvm" | "tcg", why)``: asked for, or decided by a probe once per host boot."""
+        if self.run_dir_refused:  # its KVM verdict, like everything else, is written there
+            raise SandboxStartError(self.run_dir_refused)
         if self._accel is None:
             self._accel = decide_acceleration(self.run_dir, self.guest_image)
         return self._accel
@@ -403,7 +411,8 @@ class VmDriver(Driver):
         reaped = QEMU_PROCESSES.reap(session_id)
         self.passthrough.reconcile()
         released = self.host.leases.release_session(session_id, driver=self.name)
-        shutil.rmtree(self.run_dir / "sandboxes" / session_id, ignore_errors=True)
+        if not self.run_dir_refused:
+            shutil.rmtree(self.run_dir / "sandboxes" / session_id, ignore_errors=True)
         return sorted({*reaped, *(x.sandbox_id for x in released)})
 
 
@@ -436,7 +445,27 @@ def _raise_start_error(
 
 
 def _default_run_dir() -> Path:
-    """/run/gpu-sandbox-vm (a tmpfs), or a directory of the user's own where /run is not theirs."""
-    if os.access(DEFAULT_RUN_DIR, os.W_OK) or os.access(DEFAULT_RUN_DIR.parent, os.W_OK):
+    """/run/gpu-sandbox-vm (a tmpfs) for root; for another user a directory of its own.
+
+    Under ``$XDG_RUNTIME_DIR`` (the user's own, 0700) when it is set, else
+    ``/tmp/gpu-sandbox-vm-<uid>``, a name any user could take first: ``_own_run_dir``.
+    """
+    if os.geteuid() == 0:
         return DEFAULT_RUN_DIR
-    return Path(tempfile.gettempdir()) / f"gpu-sandbox-vm-{os.getuid()}"
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        return Path(runtime) / "gpu-sandbox-vm"
+    return Path(tempfile.gettempdir()) / f"gpu-sandbox-vm-{os.geteuid()}"
+
+
+def _own_run_dir(path: Path) -> str:
+    """Why ``path`` cannot be the run directory (for the probe to say), or "" once it is.
+
+    It is made 0700, or checked to be this user's own real directory (not a link, not
+    another user's) through a descriptor and made 0700.
+    """
+    try:
+        os.close(private_directory(path))
+    except NotPrivate as exc:
+        return f"needed a run directory of this user's own ({RUN_DIR_ENV} names one): {exc}"
+    return ""

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
 
+from conformance.lanes import Lane, _report
 from conformance.report import Results
+from gpuhost.private import private_directory
 from tests.conformance.test_report import all_passed, make_entry, make_results
+from tests.other_user import PYTHON, setpriv
 
 ROOT = Path(__file__).parents[2]
 SIM_RUNS = Path("/run/gpu-sandbox-runs")
@@ -232,3 +241,96 @@ def test_a_lane_option_out_of_place_is_a_usage_error(
     )  # fmt: skip
     assert run.ret == pytest.ExitCode.USAGE_ERROR
     run.stderr.fnmatch_lines([f"*{says}*"])
+
+
+# -- where the runner writes and what it reads back ----------------------------------------------
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user may write, sticky, as /tmp is (tmp_path is root's alone)."""
+    base = Path(tempfile.mkdtemp(prefix="gpu-sandbox-lanes-test-"))
+    base.chmod(0o1777)
+    yield base
+    shutil.rmtree(base)
+
+
+def other_users_lane_dir(shared: Path) -> tuple[Path, Path]:
+    """A lane directory another user made first: its lane's log and report link to root's."""
+    victim = shared / "root-owned"
+    victim.write_text("root's own\n")
+    planted = shared / "lanes"
+    script = (
+        f"import os; os.mkdir({str(planted)!r}); os.chmod({str(planted)!r}, 0o777); "
+        f"os.symlink({str(victim)!r}, {str(planted / 'reference.log')!r}); "
+        f"os.symlink({str(victim)!r}, {str(planted / 'reference.json')!r})"
+    )
+    subprocess.run([*setpriv(), PYTHON, "-c", script], check=True, timeout=30)
+    return planted, victim
+
+
+def test_a_lane_directory_another_user_made_is_refused_by_name(
+    pytester: pytest.Pytester, tmp_path: Path, shared_dir: Path
+) -> None:
+    planted, victim = other_users_lane_dir(shared_dir)
+    run, reports = lanes(
+        pytester, tmp_path, "--lanes=reference", f"--lane-dir={planted}", "-k", "no_gpu_request"
+    )
+    assert run.ret == 2, run.stdout.str()  # the runner's usage error, as argparse's
+    run.stderr.fnmatch_lines(
+        [f"*--lane-dir: {planted}: is uid 65534's directory, not this user's*"]
+    )
+    assert victim.read_text() == "root's own\n"
+    assert not (reports / "conformance.json").exists()
+
+
+def test_the_lane_directory_is_made_private_and_its_links_never_followed(tmp_path: Path) -> None:
+    directory = tmp_path / "lanes"
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)
+    victim = tmp_path / "root-owned"
+    victim.write_text("root's own\n")
+    (directory / "reference.log").symlink_to(victim)
+    lane = Lane("reference", directory, private_directory(directory))
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    lane.start(["--version"], dict(os.environ), 1)
+    assert lane.process is not None
+    lane.process.wait(60)
+    assert victim.read_text() == "root's own\n"
+    assert not (directory / "reference.log").is_symlink()
+    assert "pytest" in (directory / "reference.log").read_text()
+
+
+def finished_lane(directory: Path, fd: int, name: str) -> Lane:
+    lane = Lane(name, directory, fd)
+    lane.process = subprocess.Popen(["true"])
+    lane.process.wait()
+    return lane
+
+
+def test_a_forged_or_linked_report_fails_its_lane_by_name_and_is_not_merged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "lanes"
+    fd = private_directory(directory)
+    reference = make_results(all_passed("reference"))
+    (directory / "reference.json").write_text(json.dumps(reference.to_json()))
+    # A report of another lane's driver, a document that is not one, a link.
+    forged = make_results(all_passed("docker"), ("docker",))
+    (directory / "vm.json").write_text(json.dumps(forged.to_json()))
+    (directory / "docker.json").write_text('{"tests": [], "verdicts": {"docker": "PASS"}}')
+    (directory / "podman.json").symlink_to(directory / "reference.json")
+    parts = [finished_lane(directory, fd, name) for name in ("reference", "vm", "docker", "podman")]
+    args = argparse.Namespace(
+        conformance_json=tmp_path / "merged.json", conformance_html=None,
+        conformance_markdown=None, junitxml=tmp_path / "merged.xml",
+    )  # fmt: skip
+    assert _report(parts, args) == 1
+    said = capsys.readouterr().out
+    assert "vm: FAILED: its report is refused, not merged: " in said
+    assert "results of drivers not of this lane: docker" in said
+    assert "docker: FAILED: its report is refused, not merged: " in said
+    assert "podman: FAILED: its report is refused, not merged: " in said
+    assert "Too many levels of symbolic links" in said
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert list(merged["drivers"]) == ["reference"]

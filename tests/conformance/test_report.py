@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conformance import requirements
-from conformance.render import to_html, to_markdown, write
-from conformance.report import Entry, Results, main
+from conformance.render import matrix_lines, skip_lines, to_html, to_markdown, write
+from conformance.report import Entry, InvalidResults, Results, main
 
 ROOT = Path(__file__).parents[2]
 REPORTS = ROOT / "reports"
@@ -240,6 +241,93 @@ def test_pages_escape_everything_they_show() -> None:
     assert "\\|" in markdown
     table = [line for line in markdown.splitlines() if line.startswith("| GPU-")]
     assert all(line.count(" | ") == 1 for line in table), table
+
+
+LIVE = {
+    "a link": "see [the fix](https://evil.example/x)",
+    "an image": "![pixel](https://evil.example/track.png)",
+    "HTML": '<img src="https://evil.example/t.png">',
+    "an autolink": "<https://evil.example>",
+    "a bare URL": "https://evil.example/x and www.evil.example",
+    "an address": "mail root@evil.example",
+    "a table break": "a | b | c",
+    "code and emphasis": "`x` *y* _z_ ~~w~~ $m$",
+    "a line break": "first\n| GPU-FORGED-01 | ✅ pass |",
+}
+"""Driver- and payload-provided text that Markdown (GitHub's) would make live."""
+
+
+@pytest.mark.parametrize("text", LIVE.values(), ids=list(LIVE))
+def test_markdown_makes_no_link_image_html_or_table_break_of_what_drivers_said(text: str) -> None:
+    tests = all_passed("reference")
+    tests[0] = make_entry(tests[0]["requirement"], "reference", "failed", text)
+    results = make_results(tests)
+    results.header["hostname"] = text
+    results.drivers["reference"]["version"] = text
+    markdown = to_markdown(results)
+    # What is left once every backslash-escaped character is taken out is no syntax at all.
+    live = re.compile(r"\[|\]|<img|<https|https?:/|www\.|@evil|`x`|\*y\*|_z_|~~w|\$m|\| b \|")
+    for line in markdown.splitlines():
+        assert not live.search(re.sub(r"\\.", "", line)), line
+    table = [line for line in markdown.splitlines() if line.startswith("| GPU-")]
+    assert all(line.count(" | ") == 1 for line in table), table
+    assert "GPU-FORGED-01" not in [line.split(" | ")[0].strip("| ") for line in table]
+
+
+CONTROL = "\x1b[2J\x1b[1;1Hreference: PASS\r\x9b31m\x07"
+"""An escape sequence that clears the terminal and writes a forged verdict, a CR, C1 and BEL."""
+
+
+def test_the_terminal_gets_what_drivers_said_with_its_control_characters_written_out() -> None:
+    tests = all_passed("reference")
+    tests[0] = make_entry(tests[0]["requirement"], "reference", "failed", CONTROL)
+    results = make_results(tests)
+    results.header["host"] = CONTROL
+    results.drivers["reference"]["version"] = CONTROL
+    lines = [*matrix_lines(results), *(v.line for v in results.verdicts)]
+    lines += skip_lines([CONTROL])
+    for line in lines:
+        assert not re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]", line), repr(line)
+    assert "\\x1b[2J\\x1b[1;1Hreference: PASS\\x0d\\x9b31m\\x07" in results.verdicts[0].line
+
+
+FORGED = {
+    "not an object": ([], "(document)"),
+    "a test's outcome": ({"tests": [{"outcome": "PASSED!"}]}, "tests[0]"),
+    "a driver's version": (
+        {"drivers": {"reference": {"version": 1, "explicit": False}}},
+        "drivers.reference.version",
+    ),
+    "an unknown key": ({"verdict": "PASS"}, "(document)"),
+    "a level": (
+        {"requirements": [{"id": "A-01", "statement": "s", "levels": {"x": "ok"}}]},
+        "requirements[0].levels.x",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "field"), FORGED.values(), ids=list(FORGED))
+def test_a_results_document_read_back_is_held_to_what_the_recorder_writes(
+    change: object, field: str
+) -> None:
+    document = make_results(all_passed("reference")).to_json()
+    forged = {**document, **change} if isinstance(change, dict) else change
+    with pytest.raises(InvalidResults) as refused:
+        Results.checked(forged)
+    assert refused.value.field == field, refused.value
+    assert Results.checked(document).to_json() == document
+
+
+def test_a_report_is_written_as_a_new_file_never_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("root's own\n")
+    planted = tmp_path / "out" / "conformance.json"
+    planted.parent.mkdir()
+    planted.symlink_to(victim)
+    write(make_results(all_passed("reference")), json_path=planted)
+    assert victim.read_text() == "root's own\n"
+    assert not planted.is_symlink()
+    assert json.loads(planted.read_text())["session"] == "s1"
 
 
 # -- the page in a real browser ---------------------------------------------------------

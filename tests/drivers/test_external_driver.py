@@ -20,8 +20,9 @@ import yaml
 
 from drivers import UnknownDriver, get_driver_class
 from drivers.external import driver_class
-from drivers.external.driver import ExternalDriverError, OperationTimedOut, run_operation
+from drivers.external.driver import ExternalDriverError, OperationTimedOut
 from drivers.external.manifest import ManifestError, parse
+from drivers.external.process import run_operation
 from drivers.external.schema import SCHEMA
 from drivers.external.templates import CreateRequest, render_create
 from drivers.external.validate import main as validate

@@ -253,7 +253,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type:
         "apiVersion": "gpu-sandbox.dev/v1alpha1", "kind": "Driver", "name": "fake",
         "mode": "jsonl", "allocation": "driver", "command": ["{python}", "fake.py"],
         "capabilities": {"maxGpusPerSandbox": 1, "exactIds": False},
-        "timeouts": {"create": 1, "hello": 10},
+        "timeouts": {"create": 1, "hello": 10}, "passEnv": ["FAKE_LOG", "FAKE_PID", "FAKE_HOW"],
     }  # fmt: skip
     path = tmp_path / "fake.yaml"
     path.write_text(yaml.safe_dump(manifest))

@@ -253,3 +253,57 @@ def test_a_golden_list_is_read_or_refused_by_name(document: dict[str, Any]) -> N
         lists = [golden.drivers] + [e.drivers for e in golden.requirements]
         for names in lists + [e.optional for e in golden.requirements]:
             assert len(set(names)) == len(names), names
+
+
+# -- external drivers' manifests (drivers.external.manifest) ----------------------------------
+
+EXTERNAL_NEAR_MISSES: dict[str, list[object]] = {
+    "timeouts": [{"create": 0}, {"create": -1}, {"create": math.nan}, {"create": 1e400}, []],
+    "templates": [{"create": ["x"]}, {}, None, {"create": "sh -c x"}],
+    "defaultImage": ["--privileged", "", "-v/:/host", 1],
+    "passEnv": [["A=B"], ["PATH", "PATH"], "HOME", [1]],
+    "capabilities": [{}, {"maxGpusPerSandbox": 0, "exactIds": True}, []],
+    "name": ["", "Bad", "a" * 64, None],
+    "extra": [1],
+}
+"""Per key of an external manifest, values just past what it takes."""
+
+
+@st.composite
+def external_manifests(draw: st.DrawFn) -> bytes:
+    """An external driver's manifest (the sh driver of the adapter's tests), mutated."""
+    from tests.drivers.test_external_driver import sh_manifest
+
+    manifest = sh_manifest(Path("/nonexistent"))
+    _mutate(draw, [manifest], EXTERNAL_NEAR_MISSES, odd_values | st.just(RAW))
+    text = yaml.safe_dump(manifest, allow_unicode=draw(st.booleans()))
+    while RAW in text:
+        text = text.replace(RAW, draw(raw_scalars), 1)
+    return text.encode("utf-8", "surrogatepass")
+
+
+@given(external_manifests())
+def test_an_external_manifest_is_accepted_or_refused_by_key(
+    manifest_file: Path, data: bytes
+) -> None:
+    """Accepted with finite timeouts and no option-like default image, or a ManifestError."""
+    from drivers.external.manifest import ManifestError as ExternalManifestError
+    from drivers.external.manifest import load
+
+    manifest_file.write_bytes(data)
+    try:
+        manifest = load(manifest_file)
+    except ExternalManifestError as refused:
+        event(f"refused: {refused.key.split('.')[0]}")
+        _keyed(refused)
+    else:
+        event("accepted")
+        assert all(math.isfinite(t) and 0 < t <= 3600 for t in manifest.timeouts.values())
+        assert not (manifest.default_image or "").startswith("-")
+
+
+def _keyed(error: Exception) -> None:
+    message, key = str(error), getattr(error, "key", "")
+    assert key, message
+    assert f": {key}: " in message, message
+    assert "\n" not in message, message

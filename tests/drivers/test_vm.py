@@ -10,8 +10,11 @@ they run in one xdist group, one after the other.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import stat
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,9 +24,10 @@ import pytest
 
 from conformance import requirements
 from drivers.vm import VmDriver
+from drivers.vm.driver import _default_run_dir, _own_run_dir
 from drivers.vm.qemu import qemu_processes
 from gpuhost import simulated
-from gpuhost.errors import UnknownGpuDevice, UnsupportedGpuRequest
+from gpuhost.errors import SandboxStartError, UnknownGpuDevice, UnsupportedGpuRequest
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.simulated import pci_proxy
 from gpuhost.spec import SHARED, SandboxSpec
@@ -187,6 +191,75 @@ def test_probe_without_the_image_says_what_to_run(
     assert not availability.ok
     assert "make vm-image" in availability.reason
     assert availability.reason.startswith("needed ")
+
+
+# -- the run directory of a user other than root ---------------------------------------------
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A /tmp of the test's own (sticky, all may write), as a user other than root sees it."""
+    base = Path(tempfile.mkdtemp(prefix="gpu-sandbox-vm-test-"))
+    base.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    monkeypatch.delenv("GPU_SANDBOX_VM_RUN_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    yield base
+    shutil.rmtree(base)
+
+
+def as_uid(monkeypatch: pytest.MonkeyPatch, uid: int) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    monkeypatch.setattr(os, "getuid", lambda: uid)
+
+
+@pytest.mark.parametrize("planted", ["another user's directory", "a link"])
+def test_a_predictable_run_directory_another_user_took_first_is_refused_by_name(
+    vm_host: GpuHost, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """/tmp/gpu-sandbox-vm-<uid>: any user can make it before the one whose name it bears."""
+    path = shared_tmp / "gpu-sandbox-vm-65534"
+    target = shared_tmp / "elsewhere"
+    target.mkdir()
+    if planted == "a link":
+        path.symlink_to(target)
+    else:
+        path.mkdir()  # root's, not 65534's
+    as_uid(monkeypatch, 65534)
+    driver = VmDriver(vm_host, "run-dir")
+    availability = driver.probe()
+    assert not availability.ok
+    said = "is a link" if planted == "a link" else "is uid 0's directory, not this user's"
+    assert f"{path}: {said}" in availability.reason, availability.reason
+    assert availability.reason.startswith("needed a run directory of this user's own")
+    with pytest.raises(SandboxStartError, match="needed a run directory"):
+        driver.acceleration()
+    assert list(target.iterdir()) == []
+
+
+def test_a_users_run_directory_is_under_its_runtime_directory_when_it_has_one(
+    vm_host: GpuHost, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = shared_tmp / "run-user"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    as_uid(monkeypatch, 1000)
+    assert _default_run_dir() == runtime / "gpu-sandbox-vm"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert _default_run_dir() == shared_tmp / "gpu-sandbox-vm-1000"
+
+
+def test_a_run_directory_of_the_users_own_is_made_private(
+    shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = shared_tmp / "gpu-sandbox-vm-0"
+    path.mkdir(mode=0o755)
+    path.chmod(0o755)
+    assert _own_run_dir(path) == ""
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    fresh = shared_tmp / "fresh"
+    assert _own_run_dir(fresh) == ""
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
 
 
 def _qemu_message(cmd: int, payload: bytes) -> bytes:
