@@ -9,6 +9,7 @@ read as leases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -264,6 +265,104 @@ def check_directory(directory: Path, st: os.stat_result) -> None:
         raise LeaseFileCorrupt(f"the lease registry {directory} {problem}: refusing to use it")
 
 
+OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+"""Every lease file is opened with these: never through a link, never waiting on a FIFO,
+never taking a terminal for its own."""
+_TRIES = 3
+"""How often a name another user planted is removed before the client gives up on it."""
+
+
+def describe(st: os.stat_result) -> str:
+    """What an entry is, and whose, for a message: ``a FIFO of uid 65534``."""
+    kinds = {
+        stat.S_IFLNK: "a symbolic link",
+        stat.S_IFIFO: "a FIFO",
+        stat.S_IFDIR: "a directory",
+        stat.S_IFSOCK: "a socket",
+        stat.S_IFCHR: "a device",
+        stat.S_IFBLK: "a device",
+    }
+    kind = kinds.get(stat.S_IFMT(st.st_mode), "a plain file")
+    return f"{kind} of uid {st.st_uid}"
+
+
+def remove_entry(dir_fd: int, name: str, st: os.stat_result) -> None:
+    """Remove the entry ``name`` (``st``: its lstat) without opening or following it.
+
+    A directory only when empty. ``OSError`` when it cannot be: a directory that is not
+    empty, or another user's entry of a sticky directory removed by anyone but root.
+    """
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def open_own(dir_fd: int, path: Path, uid: int) -> int:
+    """``uid``'s lease file ``path`` in the registry ``dir_fd``, open read-write; made if absent.
+
+    What stands under its name and is not a plain file of ``uid``'s (a file another user
+    made, a FIFO, a directory, a symbolic link) was planted: it is removed, never opened,
+    followed or read, and a file of ``uid``'s made in its place (``O_CREAT | O_EXCL``).
+    ``LeaseFileCorrupt`` naming the path where it cannot be removed, or where a file of
+    ``uid``'s has a second name (a hard link made elsewhere: not written through).
+    """
+    name = path.name
+    for _ in range(_TRIES):
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644,
+                             dir_fd=dir_fd)  # fmt: skip
+            except FileExistsError:
+                continue  # made again meanwhile: look again
+            os.fchmod(fd, 0o644)  # whatever the umask: every user's client reads it
+            return fd
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            return _open_checked(dir_fd, path, st)
+        try:
+            remove_entry(dir_fd, name, st)
+        except OSError as exc:
+            raise LeaseFileCorrupt(
+                f"{path} is {describe(st)}, not a lease file of its user {uid}, and cannot be "
+                f"removed ({exc.strerror}): ask root to remove it"
+            ) from None
+    raise LeaseFileCorrupt(f"{path} was made again each time it was removed: refusing to use it")
+
+
+def _open_checked(dir_fd: int, path: Path, st: os.stat_result) -> int:
+    """Open the file of ours that ``st`` describes; refuse another, or one of two names.
+
+    No other user can replace a file of ours: the directory is sticky.
+    """
+    fd = -1
+    try:
+        fd = os.open(path.name, os.O_RDWR | OPEN_FLAGS, dir_fd=dir_fd)
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise LeaseFileCorrupt(f"{path} was replaced while it was opened: refusing to use it")
+        if opened.st_nlink != 1:
+            raise LeaseFileCorrupt(
+                f"the lease file {path} has {opened.st_nlink} names (another was linked to it): "
+                "refusing to write it; remove it"
+            )
+        if stat.S_IMODE(opened.st_mode) & 0o022:
+            os.fchmod(fd, 0o644)  # ours: only we may write it
+            opened = os.fstat(fd)
+        check_file(path, opened, st.st_uid)
+    except BaseException as exc:
+        if fd >= 0:
+            os.close(fd)
+        if isinstance(exc, OSError):
+            raise LeaseFileCorrupt(f"the lease file {path} cannot be opened: {exc}") from None
+        raise
+    return fd
+
+
 def check_file(path: Path, st: os.stat_result, owner: int | None) -> None:
     """Refuse a lease file that is not a plain file of ``owner`` only it may write.
 
@@ -271,7 +370,7 @@ def check_file(path: Path, st: os.stat_result, owner: int | None) -> None:
     """
     problem = ""
     if not stat.S_ISREG(st.st_mode):
-        problem = "is not a plain file"
+        problem = f"is not a plain file ({describe(st)})"
     elif owner is not None and st.st_uid != owner:
         problem = f"belongs to uid {st.st_uid}, not {owner}"
     elif owner is not None and st.st_mode & 0o022:
@@ -282,37 +381,40 @@ def check_file(path: Path, st: os.stat_result, owner: int | None) -> None:
         raise LeaseFileCorrupt(f"the lease file {path} {problem}: refusing to read it")
 
 
-def others_files(directory: Path, me: int) -> Iterator[tuple[int | None, Path]]:
-    """The lease files of every user but ``me``, by the uid their names give.
+def others_files(dir_fd: int, me: int) -> Iterator[tuple[int | None, str]]:
+    """The names of every user's lease file but ``me``'s, with the uid each name gives.
 
     And the legacy file, with None for its owner: whoever wrote it.
     """
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            owner = file_owner(entry.name)
-            if owner is not None and owner != me:
-                yield owner, Path(entry.path)
-            elif entry.name == LEGACY_FILE:
-                yield None, Path(entry.path)
+    for name in sorted(os.listdir(dir_fd)):
+        owner = file_owner(name)
+        if owner is not None and owner != me:
+            yield owner, name
+        elif name == LEGACY_FILE:
+            yield None, name
 
 
-def read_file(path: Path, owner: int | None) -> tuple[bytes, float] | None:
+def read_file(dir_fd: int, path: Path, owner: int | None) -> tuple[bytes, float] | None:
     """The bytes and mtime of another user's lease file; None when it is gone or forged.
 
-    A file made under another user's name is no lease file: its maker could not have been
-    granted what it lists. ``owner`` None: any user's (the legacy file). Opened without
-    following links and without blocking on a FIFO.
+    Read through one descriptor: opened without following a link, waiting on a FIFO or
+    taking a terminal, judged by ``fstat`` on it, then read from it. Whatever another user
+    made under ``owner``'s name is no lease file (its maker could not have been granted
+    what it lists): skipped, whatever it is. ``owner`` None: any user's (the legacy file).
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path.name, os.O_RDONLY | OPEN_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
+        with contextlib.suppress(OSError):  # a link is never followed: whose is it?
+            made = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+            if owner is not None and made.st_uid != owner:
+                return None
         raise LeaseFileCorrupt(f"the lease file {path} cannot be opened: {exc}") from None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and owner is not None and st.st_uid != owner:
+        if owner is not None and st.st_uid != owner:
             return None
         check_file(path, st, owner)
         return os.pread(fd, st.st_size, 0), st.st_mtime

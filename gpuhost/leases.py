@@ -28,11 +28,9 @@ free GPUs in PCI order, exclusive or shared, a MIG instance and its GPU one devi
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
-import stat
 import threading
 import time
 import weakref
@@ -195,10 +193,10 @@ class LeaseRegistry:
 
     def set_holder(self, sandbox_id: str, holder: Holder) -> None:
         """Hand a sandbox's leases to the process or container that now embodies it."""
-        with self._locked(reclaim=False) as held:
-            held.mine[:] = [
+        with self._locked_mine() as mine:
+            mine[:] = [
                 replace(lease, holder=holder) if lease.sandbox_id == sandbox_id else lease
-                for lease in held.mine
+                for lease in mine
             ]
 
     def release(self, sandbox_id: str) -> int:
@@ -206,10 +204,10 @@ class LeaseRegistry:
 
         Returns how many were held. Another user's leases are theirs alone to release.
         """
-        with self._locked(reclaim=False) as held:
-            kept = [lease for lease in held.mine if lease.sandbox_id != sandbox_id]
-            released = len(held.mine) - len(kept)
-            held.mine[:] = kept
+        with self._locked_mine() as mine:
+            kept = [lease for lease in mine if lease.sandbox_id != sandbox_id]
+            released = len(mine) - len(kept)
+            mine[:] = kept
             return released
 
     def release_session(self, session_id: str, driver: str | None = None) -> list[Lease]:
@@ -218,9 +216,9 @@ class LeaseRegistry:
         def reaped(lease: Lease) -> bool:
             return lease.session_id == session_id and driver in (None, lease.driver)
 
-        with self._locked(reclaim=False) as held:
-            gone = [lease for lease in held.mine if reaped(lease)]
-            held.mine[:] = [lease for lease in held.mine if not reaped(lease)]
+        with self._locked_mine() as mine:
+            gone = [lease for lease in mine if reaped(lease)]
+            mine[:] = [lease for lease in mine if not reaped(lease)]
             return gone
 
     def leases(self) -> list[Lease]:
@@ -243,8 +241,7 @@ class LeaseRegistry:
 
         With ``reclaim``, leases of dead processes are left out first, and so are ``drop``,
         leases already judged dead outside the lock: this user's are dropped from its file,
-        other users' only from the view (their owners drop them). Giving leases back or
-        handing them on needs no such judgement.
+        other users' only from the view (their owners drop them).
         """
 
         def live(lease: Lease) -> bool:
@@ -260,6 +257,20 @@ class LeaseRegistry:
             yield held
             if held.mine != stored:
                 self._store(held.mine)
+
+    @contextmanager
+    def _locked_mine(self) -> Iterator[list[Lease]]:
+        """Hold the host lock; yield this user's leases; write them back if they changed.
+
+        Giving leases back or handing them on needs no liveness judgement, nor any other
+        user's file: one that another user made unreadable stops grants, never a release.
+        """
+        with self._exclusive():
+            stored = self._load_mine()
+            mine = list(stored)
+            yield mine
+            if mine != stored:
+                self._store(mine)
 
     def _judge(self, holder: Holder) -> bool:
         """Whether a process holder lives, judged under the lock."""
@@ -323,47 +334,16 @@ class LeaseRegistry:
         return self._dir_fd
 
     def _fd(self) -> int:
-        """The lease file of this user, made if need be, opened through the directory's fd."""
-        if self._file_fd < 0:
-            # Never through a link, never a FIFO: a user who can write the directory would
-            # have root open a file of their choosing, or hang on one.
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-            name = self.path.name
-            try:
-                fd = os.open(name, flags, 0o644, dir_fd=self._dir())
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                raise LeaseFileCorrupt(
-                    f"{self.path} is a symbolic link "
-                    f"({os.readlink(name, dir_fd=self._dir())!r}): refusing to open it; remove it"
-                ) from None
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid != self.uid:
-                os.close(fd)
-                self._remove_forgery(st.st_uid)
-                fd = os.open(name, flags, 0o644, dir_fd=self._dir())
-                st = os.fstat(fd)
-            if st.st_uid == self.uid and stat.S_IMODE(st.st_mode) & 0o022:
-                os.fchmod(fd, 0o644)  # ours: only we may write it
-                st = os.fstat(fd)
-            try:
-                leasefile.check_file(self.path, st, self.uid)
-            except LeaseFileCorrupt:
-                os.close(fd)
-                raise
-            self._file_fd = fd
-        return self._file_fd
+        """The lease file of this user, made if need be, opened through the directory's fd.
 
-    def _remove_forgery(self, maker: int) -> None:
-        """Remove a file another user made under our name, if the sticky bit lets us."""
-        try:
-            os.unlink(self.path.name, dir_fd=self._dir())
-        except PermissionError:
-            raise LeaseFileCorrupt(
-                f"{self.path} was made by uid {maker}, not by its user {self.uid}: ask root to "
-                "remove it"
-            ) from None
+        Whatever another user planted under its name is removed, never opened or followed
+        (``leasefile.open_own``): a user who can write the directory would have root open a
+        file of their choosing, hang on a FIFO, or write root's leases where they can change
+        them.
+        """
+        if self._file_fd < 0:
+            self._file_fd = leasefile.open_own(self._dir(), self.path, self.uid)
+        return self._file_fd
 
     def close(self) -> None:
         """Close the registry's directory and file; the next use opens them again."""
@@ -390,8 +370,10 @@ class LeaseRegistry:
     def _load_others(self) -> list[Lease]:
         """Every other user's leases, and a refusal while a file of version 3 holds one."""
         found: list[Lease] = []
-        for owner, path in leasefile.others_files(self.directory, self.uid):
-            read = leasefile.read_file(path, owner)
+        directory = self._dir()
+        for owner, name in leasefile.others_files(directory, self.uid):
+            path = self.directory / name
+            read = leasefile.read_file(directory, path, owner)
             leases = [] if read is None else self._read(path, *read)
             if owner is None and leases:
                 raise LeaseFileCorrupt(

@@ -20,7 +20,13 @@ from drivers.container.api import (
     EngineError,
     ExecOutput,
 )
-from drivers.container.keepalive import KEEPALIVE_OPEN_TIMEOUT_S, KEEPALIVE_SCRIPT, Keepalive
+from drivers.container.keepalive import (
+    KEEPALIVE_OPEN_TIMEOUT_S,
+    KEEPALIVE_SCRIPT,
+    Keepalive,
+    keepalive_directory,
+    remove_session,
+)
 from drivers.container.sandbox import ContainerSandbox
 from drivers.images import DEFAULT_IMAGE
 from gpuhost import cdi
@@ -262,7 +268,7 @@ class ContainerDriver(Driver):
         The creator holds the keepalive FIFO's only write end, in every process that
         creates: the container's reader sees end-of-file when the creator dies.
         """
-        keepalive = Keepalive.open(self.keepalive_dir() / f"{self.session_id}.{launch.sandbox_id}")
+        keepalive = Keepalive.open(self.keepalive_dir(), f"{self.session_id}.{launch.sandbox_id}")
         devices = self.cdi_devices(launch.plan, launch.gpus)
         nodes = tuple(
             dict.fromkeys(n for gpu in launch.gpus if gpu.vendor != "nvidia" for n in gpu.nodes)
@@ -286,10 +292,12 @@ class ContainerDriver(Driver):
             else (),
         )
         try:
+            keepalive.check_path()  # the engine binds what the path names: it must be the FIFO
             container_id = self._create(request)
             holder = self.holder_for(container_id)
             try:
                 launch.hand_over(holder)
+                keepalive.check_path()
                 keepalive.seal(self.start_created(container_id), KEEPALIVE_OPEN_TIMEOUT_S)
             except BaseException as exc:
                 self.remove_container(container_id)
@@ -356,7 +364,8 @@ class ContainerDriver(Driver):
         )
 
     def keepalive_dir(self) -> Path:
-        return self.host.leases.directory / "keepalive"
+        """Where the keepalive FIFOs of this user go: a directory of the registry of its own."""
+        return keepalive_directory(self.host.leases.directory)
 
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted(self.session_containers(session_id))
@@ -374,8 +383,7 @@ class ContainerDriver(Driver):
             hint=f"see `{self.cli} ps --all --filter label={SESSION_LABEL}={session_id}`",
         )
         released = self.host.leases.release_session(session_id, driver=self.name)
-        for fifo in self.keepalive_dir().glob(f"{session_id}.*"):
-            fifo.unlink(missing_ok=True)
+        remove_session(self.keepalive_dir(), session_id)
         return sorted(set(found) | {lease.sandbox_id for lease in released})
 
     def explain(self, exc: Exception) -> str:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,16 +24,18 @@ import pytest
 
 from conformance.observe import assert_all_gpus_grantable, uuids, visible_gpu_uuids
 from drivers.container import KEEPALIVE_PATH, LIVENESS_TIMEOUT_S, SESSION_LABEL, ContainerDriver
+from drivers.container.keepalive import KEEPALIVE_OPEN_TIMEOUT_S
 from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
 from gpuhost import simulated
-from gpuhost.errors import GpusExhausted, UnknownGpuDevice, UnknownImage
+from gpuhost.errors import GpusExhausted, SandboxStartError, UnknownGpuDevice, UnknownImage
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
-from gpuhost.wait import wait_until
+from gpuhost.wait import wait_for, wait_until
 from tests.breakers import containers
 from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, planted_name, run_catalogue
+from tests.other_user import OTHER_USER, setpriv
 
 pytestmark = pytest.mark.xdist_group("engines")
 CDI_DIR = Path("/var/run/cdi")
@@ -277,6 +280,131 @@ def test_a_command_cannot_hold_its_containers_keepalive_open(
         assert "Permission denied" in tried.stderr, tried
         # Reading it stays harmless and possible: the first process does.
         assert sandbox.exec(["test", "-r", KEEPALIVE_PATH]).returncode == 0
+
+
+# -- the keepalive FIFO against another local user (uid 65534) ---------------------------------
+
+
+@pytest.fixture
+def shared_host(engine_host: GpuHost) -> Iterator[GpuHost]:
+    """The engines' simulated GPUs, with a lease registry of their own every user can reach."""
+    base = Path(tempfile.mkdtemp(prefix="gpu-sandbox-keepalive-"))
+    base.chmod(0o755)
+    registry = base / "leases"
+    registry.mkdir()
+    registry.chmod(0o1777)
+    try:
+        yield GpuHost.open(HostConfig(engine_host.config.sim_root, state_dir=registry))
+    finally:
+        shutil.rmtree(base)
+
+
+def _as_other_user(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*setpriv(), "sh", "-c", script], capture_output=True, text=True, check=False, cwd="/"
+    )
+
+
+@pytest.fixture
+def terminal() -> Iterator[str]:
+    """A pseudo-terminal of root's, by its path: what a link could name."""
+    master, slave = os.openpty()
+    try:
+        yield os.ttyname(slave)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+PLANTED_KEEPALIVE_DIRS = {  # what uid 65534 makes first where the driver keeps its FIFOs
+    "directory": "mkdir -m 777 {dir}",
+    "link-to-its-directory": "mkdir -m 777 {dir}.its && ln -s {dir}.its {dir}",
+    "fifo": "mkfifo -m 666 {dir}",
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_KEEPALIVE_DIRS))
+@pytest.mark.parametrize("engine", ENGINES, ids=[engine.name for engine in ENGINES])
+def test_a_keepalive_directory_another_user_made_first_is_replaced(
+    shared_host: GpuHost, engine: type[ContainerDriver], planted: str
+) -> None:
+    """The FIFOs go in a directory of root's only, never one another user can swap them in.
+
+    Before: the driver made its FIFOs in whatever directory stood at ``<registry>/keepalive``:
+    uid 65534, who made it first, swapped each FIFO for a link, and the engine bound the
+    link's target (root's terminal: a command in the sandbox read what was typed on it, and
+    the container outlived its creator's ``kill -9``), and root chmod'ed it.
+    """
+    driver = engine(shared_host, f"planted-{time.time_ns()}")
+    directory = driver.keepalive_dir()
+    _as_other_user(PLANTED_KEEPALIVE_DIRS[planted].format(dir=directory)).check_returncode()
+    with driver.create(SandboxSpec()) as sandbox:
+        st = directory.lstat()
+        assert (stat.S_ISDIR(st.st_mode), st.st_uid, stat.S_IMODE(st.st_mode)) == (
+            True, os.geteuid(), 0o700,
+        )  # fmt: skip
+        fifo = directory / f"{driver.session_id}.{sandbox.id}"
+        assert stat.S_ISFIFO(fifo.lstat().st_mode)
+        tried = _as_other_user(f"rm -f {fifo}; ln -s /dev/null {fifo}")
+        assert tried.returncode != 0, "uid 65534 could replace root's keepalive FIFO"
+        assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert driver.sandboxes(driver.session_id) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=[engine.name for engine in ENGINES])
+def test_a_keepalive_directory_of_another_user_root_cannot_empty_is_refused_by_name(
+    shared_host: GpuHost, engine: type[ContainerDriver]
+) -> None:
+    """Never emptied (what is in it is another user's), never used: refused, nothing left."""
+    driver = engine(shared_host, f"planted-{time.time_ns()}")
+    directory = driver.keepalive_dir()
+    _as_other_user(f"mkdir -m 777 {directory} && touch {directory}/x").check_returncode()
+    with pytest.raises(SandboxStartError, match=rf"{directory} is a directory of uid {OTHER_USER}"):
+        driver.create(SandboxSpec())
+    assert sorted(os.listdir(directory)) == ["x"]
+    assert driver.sandboxes(driver.session_id) == []
+    assert shared_host.leases.leases() == []
+
+
+@pytest.mark.parametrize("when", ["create_container", "start_created"])
+@pytest.mark.parametrize("engine", ENGINES, ids=[engine.name for engine in ENGINES])
+def test_a_keepalive_swapped_for_a_link_before_the_engine_binds_it_is_refused(
+    shared_host: GpuHost,
+    engine: type[ContainerDriver],
+    when: str,
+    terminal: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the engine binds must be the FIFO this process made, and it is sealed by its fd.
+
+    The FIFO is swapped for a link to root's terminal just before the engine creates the
+    container, or starts it (as a user who could write a directory above the registry
+    could): refused, the container removed, the terminal neither bound for long nor
+    chmod'ed. Before: the engine bound the terminal, the driver took it for the FIFO the
+    container's shell had opened (it looked by path) and chmod'ed it 0400 through the link.
+    """
+    mode = stat.S_IMODE(os.stat(terminal).st_mode)
+    driver = engine(shared_host, f"swapped-{time.time_ns()}")
+    real = getattr(driver, when)
+
+    def swapped(*args: object) -> object:
+        for fifo in driver.keepalive_dir().iterdir():
+            if stat.S_ISFIFO(fifo.lstat().st_mode):
+                fifo.rename(fifo.with_name(f"{fifo.name}.moved"))
+                fifo.symlink_to(terminal)
+        return real(*args)
+
+    monkeypatch.setattr(driver, when, swapped)
+    started = time.monotonic()
+    with pytest.raises(SandboxStartError, match="keepalive"):
+        driver.create(SandboxSpec())
+    assert time.monotonic() - started < KEEPALIVE_OPEN_TIMEOUT_S / 2  # refused, not timed out
+    assert stat.S_IMODE(os.stat(terminal).st_mode) == mode
+    wait_for(
+        lambda: driver.sandboxes(driver.session_id), lambda left: not left, timeout_s=30,
+        what="the refused container to be removed",
+    )  # fmt: skip
+    assert shared_host.leases.leases() == []
 
 
 def _dockerd_pid() -> int:

@@ -754,18 +754,37 @@ def test_an_engine_address_read_from_the_lease_file_is_never_connected_to(
     planted.close()
 
 
-def test_a_lease_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
-    """A user who can write the registry's directory must not make root open their file."""
+def test_a_lease_file_that_is_a_link_is_replaced_and_its_target_untouched(tmp_path: Path) -> None:
+    """A user who can write the registry's directory must not make root open their file.
+
+    The link is removed, never followed, and a file of the registry's user made in its place
+    (tests/gpuhost/test_lease_users.py tries it as another user, with every client).
+    """
     target = tmp_path / "target"
     target.write_text("{}")
     target.chmod(0o600)
     registry = LeaseRegistry(tmp_path / "leases")
     (tmp_path / "leases").mkdir()
     registry.path.symlink_to(target)
-    with pytest.raises(LeaseFileCorrupt, match="is a symbolic link"):
-        registry.leases()
+    registry.acquire(INVENTORY, owner("a"), count=1)
+    assert stat.S_ISREG(registry.path.lstat().st_mode)
+    assert [lease.sandbox_id for lease in LeaseRegistry(tmp_path / "leases").leases()] == ["a"]
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     assert target.read_text() == "{}"
+
+
+def test_a_lease_file_of_two_names_is_refused_by_name(tmp_path: Path) -> None:
+    """A lease file with a second name is not written through.
+
+    Another user could make one of a file of root's under root's name where
+    fs.protected_hardlinks is off: root would write its leases into that file.
+    """
+    registry = LeaseRegistry(tmp_path / "leases")
+    registry.leases()
+    registry.close()
+    os.link(registry.path, tmp_path / "elsewhere")
+    with pytest.raises(LeaseFileCorrupt, match=rf"{registry.path} has 2 names"):
+        registry.acquire(INVENTORY, owner("a"), count=1)
 
 
 def test_a_lock_held_too_long_fails_the_grant_naming_its_holder(tmp_path: Path) -> None:

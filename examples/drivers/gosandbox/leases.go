@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"sort"
 	"strconv"
 	"sync"
 	"syscall"
@@ -81,9 +82,10 @@ func NewRegistry(dir string) *Registry { return &Registry{Dir: dir, uid: os.Gete
 
 func (r *Registry) mine() string { return fmt.Sprintf("leases.%d.json", r.uid) }
 
-// locked runs fn with the directory locked, this user's leases and every other user's;
-// fn returns this user's leases to write back (nil: unchanged).
-func (r *Registry) locked(fn func(mine, others []Lease) ([]Lease, error)) error {
+// locked runs fn with the directory locked, this user's leases and (withOthers) every other
+// user's; fn returns this user's leases to write back (nil: unchanged). A release or a
+// hand-over reads no other user's file: one made unreadable stops grants, never a release.
+func (r *Registry) locked(withOthers bool, fn func(mine, others []Lease) ([]Lease, error)) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	dirfd, err := r.openDir()
@@ -104,9 +106,11 @@ func (r *Registry) locked(fn func(mine, others []Lease) ([]Lease, error)) error 
 	if err != nil {
 		return err
 	}
-	others, err := r.readOthers(dirfd)
-	if err != nil {
-		return err
+	var others []Lease
+	if withOthers {
+		if others, err = r.readOthers(dirfd); err != nil {
+			return err
+		}
 	}
 	changed, err := fn(mine, others)
 	if err != nil || changed == nil {
@@ -165,40 +169,98 @@ func (r *Registry) flock(fd int) error {
 	}
 }
 
-const openFlags = syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_CLOEXEC
+// Every lease file is opened with these: never through a link, never waiting on a FIFO,
+// never taking a terminal for its own.
+const openFlags = syscall.O_NOFOLLOW | syscall.O_NONBLOCK | syscall.O_NOCTTY | syscall.O_CLOEXEC
 
+// at names an entry of the directory dirfd by a path that is that directory, whatever
+// is done to the path above it: for lstat and rmdir, which have no *at form in syscall.
+func at(dirfd int, name string) string { return fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, name) }
+
+// lstatAt: the entry name of dirfd itself, never what a link names.
+func lstatAt(dirfd int, name string) (*syscall.Stat_t, error) {
+	var st syscall.Stat_t
+	if err := syscall.Lstat(at(dirfd, name), &st); err != nil {
+		return nil, err
+	}
+	return &st, nil
+}
+
+// describe: what an entry is, and whose, for a message: "a FIFO of uid 65534".
+func describe(st *syscall.Stat_t) string {
+	kind := map[uint32]string{syscall.S_IFLNK: "a symbolic link", syscall.S_IFIFO: "a FIFO",
+		syscall.S_IFDIR: "a directory", syscall.S_IFSOCK: "a socket", syscall.S_IFCHR: "a device",
+		syscall.S_IFBLK: "a device"}[st.Mode&syscall.S_IFMT]
+	if kind == "" {
+		kind = "a plain file"
+	}
+	return fmt.Sprintf("%s of uid %d", kind, st.Uid)
+}
+
+// openMine opens this user's file, made if need be. What stands under its name and is not
+// a plain file of this user's (a file another user made, a FIFO, a directory, a symbolic
+// link) was planted: it is removed, never opened, followed or read, and a file of ours
+// made in its place (O_CREAT|O_EXCL). Refused, naming it, where it cannot be removed.
 func (r *Registry) openMine(dirfd int) (int, error) {
 	name := r.mine()
-	open := func() (int, error) {
-		return syscall.Openat(dirfd, name, syscall.O_RDWR|syscall.O_CREAT|openFlags, 0o644)
+	path := r.Dir + "/" + name
+	for try := 0; try < 3; try++ {
+		st, err := lstatAt(dirfd, name)
+		if err == syscall.ENOENT {
+			fd, err := syscall.Openat(dirfd, name, syscall.O_RDWR|syscall.O_CREAT|syscall.O_EXCL|openFlags, 0o644)
+			if err == syscall.EEXIST {
+				continue // made again meanwhile: look again
+			}
+			if err != nil {
+				return -1, fmt.Errorf("the lease file %s cannot be made: %v", path, err)
+			}
+			syscall.Fchmod(fd, 0o644) // whatever the umask: every user's client reads it
+			return fd, nil
+		}
+		if err != nil {
+			return -1, fmt.Errorf("the lease file %s cannot be examined: %v", path, err)
+		}
+		if st.Mode&syscall.S_IFMT == syscall.S_IFREG && int(st.Uid) == r.uid {
+			return openChecked(dirfd, path, name, st)
+		}
+		if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+			err = syscall.Rmdir(at(dirfd, name)) // only when empty
+		} else {
+			err = syscall.Unlinkat(dirfd, name)
+		}
+		if err != nil && err != syscall.ENOENT {
+			return -1, fmt.Errorf("%s is %s, not a lease file of its user %d, and cannot be "+
+				"removed (%v): ask root to remove it", path, describe(st), r.uid, err)
+		}
 	}
-	fd, err := open()
-	if err == syscall.ELOOP {
-		return -1, fmt.Errorf("%s/%s is a symbolic link: refusing to open it; remove it", r.Dir, name)
-	}
+	return -1, fmt.Errorf("%s was made again each time it was removed: refusing to use it", path)
+}
+
+// openChecked opens the file of ours st describes (no other user can replace it: the
+// directory is sticky); refused when it is not that file any more, or has a second name.
+func openChecked(dirfd int, path, name string, st *syscall.Stat_t) (int, error) {
+	fd, err := syscall.Openat(dirfd, name, syscall.O_RDWR|openFlags, 0)
 	if err != nil {
-		return -1, err
+		return -1, fmt.Errorf("the lease file %s cannot be opened: %v", path, err)
 	}
-	var st syscall.Stat_t
-	syscall.Fstat(fd, &st)
-	if st.Mode&syscall.S_IFMT == syscall.S_IFREG && int(st.Uid) != r.uid {
-		syscall.Close(fd) // another user made it under our name: theirs is no lease file
-		if err := syscall.Unlinkat(dirfd, name); err != nil {
-			return -1, fmt.Errorf("%s/%s was made by uid %d, not by its user %d: ask root to remove it",
-				r.Dir, name, st.Uid, r.uid)
-		}
-		if fd, err = open(); err != nil {
-			return -1, err
-		}
-		syscall.Fstat(fd, &st)
+	var opened syscall.Stat_t
+	syscall.Fstat(fd, &opened)
+	problem := error(nil)
+	if opened.Dev != st.Dev || opened.Ino != st.Ino {
+		problem = fmt.Errorf("%s was replaced while it was opened: refusing to use it", path)
+	} else if opened.Nlink != 1 {
+		problem = fmt.Errorf("the lease file %s has %d names (another was linked to it): refusing "+
+			"to write it; remove it", path, opened.Nlink)
+	} else if opened.Mode&0o022 != 0 {
+		syscall.Fchmod(fd, 0o644) // ours: only we may write it
+		syscall.Fstat(fd, &opened)
 	}
-	if int(st.Uid) == r.uid && st.Mode&0o022 != 0 {
-		syscall.Fchmod(fd, 0o644)
-		syscall.Fstat(fd, &st)
+	if problem == nil {
+		problem = checkFile(path, &opened, int(st.Uid))
 	}
-	if err := checkFile(r.Dir+"/"+name, &st, r.uid); err != nil {
+	if problem != nil {
 		syscall.Close(fd)
-		return -1, err
+		return -1, problem
 	}
 	return fd, nil
 }
@@ -207,7 +269,7 @@ func checkFile(path string, st *syscall.Stat_t, owner int) error {
 	problem := ""
 	switch {
 	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
-		problem = "is not a plain file"
+		problem = fmt.Sprintf("is not a plain file (%s)", describe(st))
 	case owner >= 0 && int(st.Uid) != owner:
 		problem = fmt.Sprintf("belongs to uid %d, not %d", st.Uid, owner)
 	case owner >= 0 && st.Mode&0o022 != 0:
@@ -235,9 +297,12 @@ func (r *Registry) readFd(fd int, path string) ([]Lease, error) {
 }
 
 // readOthers: every other user's live-or-not leases, by the uid each file's name gives; a
-// file of versions 1 to 3 (leases.json) refuses every grant while it holds a lease.
+// file of versions 1 to 3 (leases.json) refuses every grant while it holds a lease. Each
+// file is read through one descriptor: opened without following a link or waiting on a
+// FIFO, judged by fstat on it, then read from it. Whatever another user made under a
+// user's name is no lease file: skipped, whatever it is.
 func (r *Registry) readOthers(dirfd int) ([]Lease, error) {
-	dir, err := os.Open(r.Dir)
+	dir, err := os.Open(at(dirfd, "."))
 	if err != nil {
 		return nil, err
 	}
@@ -246,6 +311,7 @@ func (r *Registry) readOthers(dirfd int) ([]Lease, error) {
 	if err != nil {
 		return nil, err
 	}
+	sort.Strings(names)
 	var found []Lease
 	for _, name := range names {
 		owner := -1
@@ -263,11 +329,15 @@ func (r *Registry) readOthers(dirfd int) ([]Lease, error) {
 			continue
 		}
 		if err != nil {
+			// A link is never followed: whose is it?
+			if st, lerr := lstatAt(dirfd, name); lerr == nil && owner >= 0 && int(st.Uid) != owner {
+				continue
+			}
 			return nil, fmt.Errorf("the lease file %s cannot be opened: %v", path, err)
 		}
 		var st syscall.Stat_t
 		syscall.Fstat(fd, &st)
-		if st.Mode&syscall.S_IFMT == syscall.S_IFREG && owner >= 0 && int(st.Uid) != owner {
+		if owner >= 0 && int(st.Uid) != owner {
 			syscall.Close(fd) // forged under another user's name: none of it was granted
 			continue
 		}
@@ -329,13 +399,13 @@ func (r *Registry) Acquire(inventory []*Device, owner Owner, count int, exact []
 		granted = g
 		return append(live, newLeases(g, owner, mode, limit)...), nil
 	}
-	if err := r.locked(func(m, o []Lease) ([]Lease, error) { return try(m, o, false) }); err != nil {
+	if err := r.locked(true, func(m, o []Lease) ([]Lease, error) { return try(m, o, false) }); err != nil {
 		return nil, err
 	}
 	if granted != nil {
 		return granted, nil
 	}
-	if err := r.locked(func(m, o []Lease) ([]Lease, error) { return try(m, o, true) }); err != nil {
+	if err := r.locked(true, func(m, o []Lease) ([]Lease, error) { return try(m, o, true) }); err != nil {
 		return nil, err
 	}
 	if granted != nil {
@@ -377,7 +447,7 @@ func newLeases(granted []*Device, owner Owner, mode string, limit int) []Lease {
 
 // SetHolder hands a sandbox's leases to what now embodies it.
 func (r *Registry) SetHolder(sandboxID string, h Holder) error {
-	return r.locked(func(mine, _ []Lease) ([]Lease, error) {
+	return r.locked(false, func(mine, _ []Lease) ([]Lease, error) {
 		out := append([]Lease{}, mine...)
 		for i := range out {
 			if out[i].SandboxID == sandboxID {
@@ -391,7 +461,7 @@ func (r *Registry) SetHolder(sandboxID string, h Holder) error {
 // Release drops this user's leases of a sandbox, or of a session and driver (sandbox "").
 func (r *Registry) Release(sandboxID, sessionID, driver string) ([]Lease, error) {
 	var gone []Lease
-	err := r.locked(func(mine, _ []Lease) ([]Lease, error) {
+	err := r.locked(false, func(mine, _ []Lease) ([]Lease, error) {
 		kept := []Lease{}
 		for _, l := range mine {
 			if (sandboxID != "" && l.SandboxID == sandboxID) ||
