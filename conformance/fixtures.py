@@ -13,7 +13,7 @@ import fcntl
 import io
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -287,6 +287,23 @@ def sandboxes(driver: Driver) -> Iterator[SandboxFactory]:
         yield factory
     finally:
         factory.close_all()
+
+
+Dropped = Callable[[str, str], None]
+
+
+@pytest.fixture
+def dropped(request: pytest.FixtureRequest) -> Dropped:
+    """``dropped(case, why)``: a case of the test's requirement this host cannot show.
+
+    The test goes on with the rest; its requirement's cell is then partial, never passed,
+    naming the case and why (a one-GPU host cannot hold one GPU while granting another).
+    """
+
+    def drop(case: str, why: str) -> None:
+        request.node.user_properties.append(("dropped", f"{case} ({why})"))
+
+    return drop
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ so that
 writes the same HTML matrix (``conformance.html``) and Markdown summary
 (``conformance.md``) as the run did.
 
-A cell is ``passed`` when all its tests passed, ``partial`` when the others were skipped
-(say, for want of GPUs), ``skipped``, ``failed``, ``not applicable`` (the golden list's
-profile, or a driver capability, says the requirement does not apply) or ``not run``
-(no selected test covered it, or the driver could not run here). A driver's verdict is
+A cell is ``passed`` when all its tests passed and tried every case, ``partial`` when the
+others were skipped (say, for want of GPUs) or a test passed without some cases of its
+requirement that this host cannot show (``fixtures.dropped``), ``skipped``, ``failed``,
+``not applicable`` (the golden list's profile, or a driver capability, says the requirement
+does not apply) or ``not run`` (no selected test covered it, or the driver could not run
+here). A driver's verdict is
 ``FAIL`` when a mandatory requirement failed, ``NOT RUN`` when it could not run, and
 ``PASS`` otherwise.
 """
@@ -56,6 +58,9 @@ class Entry(TypedDict):
     simulated: bool
     declared: NotRequired[str]
     """The driver's declaration that made the test not applicable (``shared=False``)."""
+    dropped: NotRequired[str]
+    """The cases of its requirement a passed test could not try on this host, with why
+    (``fixtures.dropped``): its cell is partial, never passed."""
 
 
 def entry(report: pytest.TestReport) -> Entry | None:
@@ -77,6 +82,7 @@ def entry(report: pytest.TestReport) -> Entry | None:
         gpu_count=int(str(props.get("gpu_count", 0))),
         simulated=props.get("simulated") == "true",
         declared=str(props.get("declared", "")),
+        dropped="; ".join(str(value) for key, value in report.user_properties if key == "dropped"),
     )
 
 
@@ -105,7 +111,12 @@ class Cell:
         if failures:
             return failures[0]["message"]
         skips = [test["message"] for test in self.tests if test["outcome"] == "skipped"]
-        return self.reason or (skips[0] if skips else "")
+        dropped = [test["dropped"] for test in self.tests if test.get("dropped")]
+        return (
+            self.reason
+            or (skips[0] if skips else "")
+            or (f"cases not tried here: {dropped[0]}" if dropped else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -322,7 +333,9 @@ class InvalidResults(ValueError):
 _TEXT = {"type": "string"}
 _ENTRY_TEXT = (
     "nodeid", "requirement", "driver", "level", "message", "unavailable", "gpu_model", "declared",
+    "dropped",
 )  # fmt: skip
+_ENTRY_OPTIONAL = ("declared", "dropped")
 RESULTS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -364,7 +377,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "items": {
                 "type": "object",
                 "additionalProperties": False,
-                "required": [key for key in _ENTRY_TEXT if key != "declared"]
+                "required": [key for key in _ENTRY_TEXT if key not in _ENTRY_OPTIONAL]
                 + ["outcome", "gpu_count", "simulated"],
                 "properties": {
                     **{key: _TEXT for key in _ENTRY_TEXT},
@@ -410,6 +423,8 @@ def _cell(level: str, tests: tuple[Entry, ...]) -> Cell:
     outcomes = {test["outcome"] for test in applicable}
     if outcomes & {"failed", "error"}:
         return Cell("failed", level, tests)
+    if any(test.get("dropped") for test in applicable if test["outcome"] == "passed"):
+        return Cell("partial", level, tests)
     if outcomes == {"passed"}:
         return Cell("passed", level, tests)
     return Cell("partial" if "passed" in outcomes else "skipped", level, tests)

@@ -14,7 +14,7 @@ import pytest
 
 from conformance import requirements
 from conformance.render import matrix_lines, skip_lines, to_html, to_markdown, write
-from conformance.report import Entry, InvalidResults, Results, main
+from conformance.report import Entry, InvalidResults, Results, entry, main
 
 ROOT = Path(__file__).parents[2]
 REPORTS = ROOT / "reports"
@@ -211,7 +211,10 @@ def test_cells_a_run_did_not_reach_are_not_run() -> None:
     assert results.matrix["GPU-NONE-01"]["reference"] == "passed"
     assert results.matrix["GPU-COUNT-01"]["reference"] == "not run"
     assert results.cells["GPU-COUNT-01"]["reference"].message == "no selected test covers it"
-    assert "38 not run (no test selected): GPU-DEFAULT-01" in results.verdicts[0].line
+    applying = [req for req, level in requirements.load().profile("reference").items()
+                if level == "mandatory"]  # fmt: skip
+    unreached = len(applying) - 1
+    assert f"{unreached} not run (no test selected): GPU-DEFAULT-01" in results.verdicts[0].line
 
 
 def test_json_round_trip_and_the_command_line_regenerate_the_same_pages(tmp_path: Path) -> None:
@@ -422,3 +425,34 @@ def test_the_matrix_renders_in_a_browser_one_cell_per_requirement_and_driver(
         page.as_uri(),
     )
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_passed_test_that_dropped_a_case_leaves_its_requirement_partial_naming_it() -> None:
+    """A case the host could not show is never reported passed (fixtures.dropped)."""
+    whole = make_entry("GPU-NONE-01", "reference")
+    short = Entry(
+        **make_entry("GPU-HOSTWIDE-01", "reference"),
+        dropped="an earlier boot's holder (needs 2 GPUs, host has 1)",
+    )
+    results = make_results([whole, short])
+    assert results.matrix["GPU-NONE-01"]["reference"] == "passed"
+    assert results.matrix["GPU-HOSTWIDE-01"]["reference"] == "partial"
+    cell = results.cells["GPU-HOSTWIDE-01"]["reference"]
+    assert cell.message == (
+        "cases not tried here: an earlier boot's holder (needs 2 GPUs, host has 1)"
+    )
+    assert "1 not fully checked: GPU-HOSTWIDE-01" in results.verdicts[0].line
+    assert Results.checked(results.to_json()).matrix == results.matrix
+
+
+def test_a_dropped_case_reaches_the_entry_from_the_tests_properties() -> None:
+    report = pytest.TestReport(
+        "conformance/test_x.py::test_y[reference]", ("x", 1, "y"), {}, "passed", None, "call",
+        user_properties=[
+            ("requirement", "GPU-HOSTWIDE-01"), ("driver", "reference"),
+            ("dropped", "a zombie holder (no)"), ("dropped", "an earlier boot (no)"),
+        ],
+    )  # fmt: skip
+    found = entry(report)
+    assert found is not None
+    assert found["dropped"] == "a zombie holder (no); an earlier boot (no)"
