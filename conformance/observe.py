@@ -457,6 +457,8 @@ def expect_refusal(
 
 
 Run = Callable[..., ExecResult]
+COMMAND_PATHS = ("exec", "exec_stream")
+"""Every path to a command the contract has: kept, and streamed to descriptors."""
 
 
 def ways_to_run(sandbox: Sandbox) -> dict[str, Run]:
@@ -473,7 +475,7 @@ def ways_to_run(sandbox: Sandbox) -> dict[str, Run]:
             text = (out.read().decode(errors="replace"), err.read().decode(errors="replace"))
         return ExecResult(tuple(argv), returncode, *text)
 
-    return {"exec": sandbox.exec, "exec_stream": streamed}
+    return dict(zip(COMMAND_PATHS, (sandbox.exec, streamed), strict=True))
 
 
 def uuids(sandbox: Sandbox) -> list[str]:

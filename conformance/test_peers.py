@@ -14,6 +14,7 @@ from uuid import uuid4
 
 import pytest
 
+from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory
 from conformance.observe import BOOT_ID
 from drivers.base import Sandbox
@@ -28,6 +29,15 @@ PROCESS_LIMIT = 8
 twelve. A limit counts the processes of the host user, wherever they run."""
 NEIGHBOUR_UP_TIMEOUT_S = 30.0
 
+KEYRINGS = {"user": -4, "user-session": -5}
+"""The per-user keyrings (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)."""
+DIMENSIONS = {
+    "SANDBOX-PEER-01": declared(
+        per_user_state=("the process limit", *(f"the {ring} keyring" for ring in KEYRINGS)),
+        when=("while the other runs", "after the other closed"),
+        gpus=("none", "one GPU"),
+    )
+}
 _NEIGHBOUR = (
     "i=0; while [ $i -lt {n} ]; do sleep 120 >/dev/null 2>&1 & i=$((i+1)); done; "
     "touch /tmp/gpu-sandbox-peer-up; "
@@ -85,6 +95,9 @@ def _run_neighbour(sandbox: Sandbox, processes: int) -> None:
 
 
 KEYRINGS = {"user": -4, "user-session": -5}
+assert all(
+    f"the {ring} keyring" in DIMENSIONS["SANDBOX-PEER-01"]["per user state"] for ring in KEYRINGS
+)
 """The per-user keyrings (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING)."""
 _KEYS = f"""
 import ctypes, os, sys

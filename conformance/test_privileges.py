@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory
-from conformance.observe import BOOT_ID, Run, ways_to_run
+from conformance.observe import BOOT_ID, COMMAND_PATHS, Run, ways_to_run
 from drivers.base import Sandbox
 from gpuhost.spec import SandboxSpec
 
@@ -20,6 +21,15 @@ KERNEL_KNOBS = (
 )
 """Host-wide kernel state a root shell could change (``core_pattern`` runs a program as the
 host's root). Each is only opened for appending and closed again: nothing is ever written."""
+DIMENSIONS = {
+    "SANDBOX-PRIV-01": declared(
+        path=COMMAND_PATHS,
+        process=("the command", "the sandbox's first process"),
+        gpus=("one GPU", "none"),
+        kernel=("the host's", "a kernel of its own"),
+        knob=KERNEL_KNOBS,
+    )
+}
 HARMLESS_KNOB = Path("/proc/sys/kernel/printk_ratelimit_burst")
 """Written inside a sandbox with a kernel of its own, where the write is that kernel's."""
 

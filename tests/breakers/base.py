@@ -7,6 +7,7 @@ lease registry (``LEASES``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Self
 
 from drivers.base import Launch
@@ -43,6 +44,30 @@ class BrokenDriver(ReferenceDriver):
         sandbox = super().start(launch)
         sandbox.__class__ = self.SANDBOX
         return sandbox
+
+
+def family(
+    namespace: dict[str, object], values: Iterable[str], make: Callable[[str], type[BrokenDriver]]
+) -> list[type[BrokenDriver]]:
+    """One planted breaker per value of a dimension, each a class of the calling module.
+
+    ``make(value)`` returns the breaker of ``value`` (its docstring starts with its
+    ``BREAKS`` and names the value); it is registered in ``namespace`` (the module's
+    ``globals()``) under its own name, so that ``--driver=module:Name`` finds it.
+    """
+    made = []
+    for value in values:
+        cls = make(value)
+        cls.__module__ = str(namespace["__name__"])
+        namespace[cls.__name__] = cls
+        made.append(cls)
+    return made
+
+
+def class_name(value: str) -> str:
+    """A value of a dimension as part of a class name: ``-retry`` → ``Retry``, ``.1`` → ``Dot1``."""
+    words = value.replace(".", " dot ").replace("-", " ").replace("_", " ").replace("=", " ")
+    return "".join(word[:1].upper() + word[1:] for word in words.split() if word.isalnum())
 
 
 def with_binds(argv: list[str], *binds: str) -> list[str]:

@@ -1,0 +1,28 @@
+"""docs/catalogue.md's dimensions are those the conformance tests declare and try."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conformance import dimensions, requirements
+
+CATALOGUE = Path(__file__).parents[2] / "docs" / "catalogue.md"
+
+
+def test_the_catalogue_page_lists_the_declared_dimensions() -> None:
+    """Regenerate with: python -m conformance.dimensions (its section of docs/catalogue.md)."""
+    order = [req.id for req in requirements.load().requirements]
+    expected = dimensions.markdown(dimensions.collect(), order)
+    page = CATALOGUE.read_text()
+    assert dimensions.HEADING in page, f"{CATALOGUE} has no {dimensions.HEADING!r} section"
+    section = page[page.index(dimensions.HEADING) :]
+    end = section.find("\n## ", len(dimensions.HEADING))
+    section = section if end < 0 else section[: end + 1]
+    assert section == expected
+
+
+def test_declared_dimensions_name_requirements_of_the_golden_list() -> None:
+    known = {req.id for req in requirements.load().requirements}
+    declared = dimensions.collect()
+    assert set(declared) <= known, sorted(set(declared) - known)
+    assert all(values for dims in declared.values() for values in dims.values())
