@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 from uuid import uuid4
 
@@ -16,6 +18,12 @@ from gpuhost.spec import SandboxSpec
 KINDS = ("net", "pid")
 """Network (its loopback services, its abstract sockets) and processes (their /proc/<pid>/root
 reaches their files, their signals)."""
+
+
+def _end_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _namespaces(sandbox: Sandbox) -> dict[str, str] | None:
@@ -45,8 +53,9 @@ def test_each_sandbox_has_namespaces_of_its_own(
     # A process of the host's, known by its command line: no sandbox's /proc may list it (a
     # sandbox given the host's /proc sees every process there, in a pid namespace of its own).
     marker = f"gpu-sandbox-host-process-{uuid4().hex}"
-    host_process = subprocess.Popen(["sh", "-c", "sleep 600", marker])
-    request.addfinalizer(host_process.kill)
+    # In a process group of its own, which the finalizer ends whole: the shell and its sleep.
+    host_process = subprocess.Popen(["sh", "-c", "sleep 600", marker], start_new_session=True)
+    request.addfinalizer(lambda: _end_group(host_process))
     for spec in (SandboxSpec.with_gpus(), SandboxSpec(), SandboxSpec()):
         sandbox = sandboxes(spec)
         namespaces = _namespaces(sandbox)

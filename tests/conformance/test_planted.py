@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from conformance import requirements
+from gpuhost.procfs import marked_processes
 from tests.breakers import ALL, containers, pods, vms
 from tests.breakers.base import BrokenDriver
 from tests.breakers.exhaustion import WaitsForAFreeGpu
@@ -66,8 +68,15 @@ def test_catalogue_fails_the_broken_driver(
     assert run.ret == pytest.ExitCode.TESTS_FAILED
 
 
-def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_path: Path) -> None:
+def test_catalogue_passes_the_reference_driver(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole catalogue passes the oracle, and leaves no process of its own behind."""
+    canary = f"GPU_SANDBOX_LEAK_CANARY={uuid.uuid4().hex}"
+    monkeypatch.setenv(*canary.split("="))
     result, run = run_catalogue(pytester, tmp_path, "reference")
+    left = marked_processes(canary.encode())
+    assert left == [], f"the catalogue left processes behind: {_cmdlines(left)}"
     assert result["simulated"] is True
     required = golden_ids()
     verdicts = {req: cells["reference"] for req, cells in result["matrix"].items()}
@@ -83,6 +92,10 @@ def test_catalogue_passes_the_reference_driver(pytester: pytest.Pytester, tmp_pa
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
+def _cmdlines(pids: list[int]) -> list[str]:
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids]
+
+
 def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
