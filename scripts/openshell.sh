@@ -88,6 +88,10 @@ install_cli() {
   fi
   umask 022
   mkdir -p "$CACHE"
+  # Two set-ups at once (two checkouts' make test): the second waits, then finds it done.
+  exec 9>"$CACHE/.lock"
+  flock 9
+  installed && return 0
   work=$(mktemp -d "$CACHE/.install.XXXXXX")
   trap 'rm -rf "${work:-}"' EXIT
   fetch_wheel "$work"
