@@ -9,6 +9,7 @@ code or bubblewrap is missing.
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -19,11 +20,11 @@ import pytest
 from drivers.reference import ReferenceDriver
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
+from gpuhost.procfs import EXEC_MARKER_ENV, exec_marker, kill_marked, marked_processes
 from gpuhost.wait import wait_for
 from openshell_standin.client import RunningGateway, running
 from openshell_standin.stubs import LAUNCHER, StubsMissing, cli_missing, load_api
 from tests.catalogue import ROOT
-from tests.other_user import setpriv
 
 GPUS = 8
 RECORDED = ROOT / "tests" / "data" / "openshell"
@@ -192,6 +193,11 @@ def test_list_of_a_gateway_that_is_gone_fails(gateway: RunningGateway) -> None:
     result = gateway.cli("sandbox", "list", "--names", env=env)
     assert (result.returncode, result.stdout) == (1, "")
     assert "Connection refused" in said(result)
+    # The seeds' manifest read the table through a pipe: sed's status, and no names.
+    script = f"{LAUNCHER} sandbox list | tr -s ' ' '\\n' | sed -n 's/^t-//p'"
+    piped = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                           env=gateway.cli_env(env))  # fmt: skip
+    assert (piped.returncode, piped.stdout) == (0, "")
 
 
 def test_delete_gives_the_gpus_back(gateway: RunningGateway, name: str) -> None:
@@ -257,11 +263,12 @@ def test_a_name_after_exec_is_the_command(gateway: RunningGateway, name: str) ->
 def test_only_the_runs_client_certificate_gets_in(gateway: RunningGateway, tmp_path: Path) -> None:
     elsewhere = {"XDG_CONFIG_HOME": str(tmp_path), "OPENSHELL_GATEWAY_INSECURE": "true"}
     result = gateway.cli("sandbox", "list", "--names", env=elsewhere)
-    assert result.returncode == 1
-    key = Path(gateway.env["XDG_CONFIG_HOME"], "openshell", "gateways",
-               gateway.env["OPENSHELL_GATEWAY"], "mtls", "tls.key")  # fmt: skip
-    other = subprocess.run([*setpriv(), "cat", str(key)], capture_output=True, text=True)
-    assert other.returncode != 0, "another user read the client's key"
+    assert result.returncode == 1  # no client certificate: the handshake fails
+    mtls = Path(gateway.env["XDG_CONFIG_HOME"], "openshell", "gateways",
+                gateway.env["OPENSHELL_GATEWAY"], "mtls")  # fmt: skip
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (mtls, *mtls.iterdir())}
+    assert modes == {"mtls": 0o700, "ca.crt": 0o600, "tls.crt": 0o600, "tls.key": 0o600}
+    assert stat.S_IMODE(gateway.state.stat().st_mode) == 0o700
 
 
 def test_the_launcher_says_how_to_install_the_cli(tmp_path: Path) -> None:
@@ -269,3 +276,46 @@ def test_the_launcher_says_how_to_install_the_cli(tmp_path: Path) -> None:
     result = subprocess.run([str(LAUNCHER), "--version"], capture_output=True, text=True, env=env)
     assert result.returncode == 127
     assert f"not installed in {tmp_path}/0.0.111: run scripts/openshell.sh install" in result.stderr
+
+
+def test_the_command_lines_of_the_manifest_work(gateway: RunningGateway) -> None:
+    """Every value in a `--flag=value` element of its own, as the v0.0.111 manifest renders."""
+    sandbox = uuid.uuid4().hex[:12]  # the adapter's sandbox id: a DNS label of 12 bytes
+    session = f"Run_{uuid.uuid4().hex[:8]}.x"  # any session id is a label value
+    selector = f"--selector=gpu-sandbox.dev/session={session},gpu-sandbox.dev/driver=openshell"
+    try:
+        ok(gateway.cli(
+            "sandbox", "create", f"--name={sandbox}", f"--label=gpu-sandbox.dev/session={session}",
+            "--label=gpu-sandbox.dev/driver=openshell", "--gpu=2",
+            "--from=gpu-sandbox-busybox:latest", "--env=GREETING=hello world", "--env=EMPTY=",
+            "--no-tty", "--detach", "--", "sleep", "infinity",
+        ))  # fmt: skip
+        listed = gateway.cli("sandbox", "list", "--names", "--limit=1000", selector)
+        assert ok(listed).split() == [sandbox]
+        marker, needle = exec_marker()
+        shown = gateway.cli(
+            "sandbox", "exec", f"--name={sandbox}", "--no-tty", f"--env={EXEC_MARKER_ENV}={marker}",
+            "--", "sh", "-c", f'echo "$GREETING|$EMPTY|${EXEC_MARKER_ENV}"',
+        )  # fmt: skip
+        assert ok(shown) == f"hello world||{marker}\n"
+        # The adapter's exec timeout: the marker finds the command inside, from this host.
+        marker, needle = exec_marker()
+        late = subprocess.Popen(
+            [str(LAUNCHER), "sandbox", "exec", f"--name={sandbox}", "--no-tty",
+             f"--env={EXEC_MARKER_ENV}={marker}", "--", "sleep", "60"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=gateway.cli_env(),
+        )  # fmt: skip
+        wait_for(
+            lambda: marked_processes(needle),
+            bool,
+            timeout_s=30,
+            what="the command to run in the sandbox with its marker",
+        )
+        kill_marked(needle)
+        late.communicate(timeout=30)
+        assert late.returncode == 1  # killed by a signal: the supervisor's 1
+        ok(gateway.cli("sandbox", "delete", sandbox))
+        assert ok(gateway.cli("sandbox", "list", "--names", "--limit=1000", selector)) == ""
+    finally:
+        gateway.cli("sandbox", "delete", sandbox)
