@@ -241,7 +241,8 @@ def test_the_cli_refuses_gpu_0_and_a_repeated_gpu(gateway: RunningGateway) -> No
 def test_a_sandbox_whose_main_process_exits_refuses_exec(
     gateway: RunningGateway, name: str
 ) -> None:
-    ok(gateway.cli("sandbox", "create", "--name", name, "--detach", "--", "true"))
+    # It exits once create has seen it Ready (a main that exits at once may beat the watch).
+    ok(gateway.cli("sandbox", "create", "--name", name, "--detach", "--", "sleep", "1"))
     wait_for(
         lambda: ok(gateway.cli("sandbox", "list")),
         lambda table: "Error" in table,
