@@ -122,6 +122,7 @@ class Gateway:
                     "UNIMPLEMENTED", "the stand-in gateway passes no stdin and no terminal"
                 )
             line = rules.remote_command(request.command, environment, request.workdir)
+            line = self.sandboxes.login_path() + line
             events = self.sandboxes.exec(
                 record, ["/bin/bash", "-lc", line], request.timeout_seconds, context.is_active
             )

@@ -119,7 +119,7 @@ class Sandboxes:
         if request.gpu:
             data["resource_requirements"] = {"gpu": {} if count is None else {"count": count}}
         try:
-            sandbox = self.driver.create(parse_spec(data))
+            return self.driver.create(parse_spec(data))
         except RequestError as exc:
             raise Refused("INVALID_ARGUMENT", str(exc)) from exc
         except GpuAllocationError as exc:
@@ -128,12 +128,6 @@ class Sandboxes:
         except Exception as exc:
             # server/compute/mod.rs:986-995: any other failure of the compute driver.
             raise Refused("INTERNAL", f"create sandbox failed: {exc}") from exc
-        try:
-            self._profile(sandbox)
-        except BaseException:
-            sandbox.close()
-            raise
-        return sandbox
 
     def cdi_devices(self, device_ids: Sequence[str]) -> tuple[str, ...]:
         """The CDI names docker or podman would resolve, as this host's CDI spec has them.
@@ -161,18 +155,16 @@ class Sandboxes:
                 )
         return tuple(out)
 
-    def _profile(self, sandbox: Sandbox) -> None:
-        """The simulated host's GPU tools first on a login shell's PATH.
+    def login_path(self) -> str:
+        """What the stand-in puts before an exec's command line: the host's GPU tools on PATH.
 
-        ``bash -l`` reads /etc/profile, which sets PATH afresh; a container's CDI spec puts
-        nvidia-smi in /usr/bin, the reference driver's sandbox has it in the host's tool
-        path, which its home's .profile (HOME is the sandbox's own /tmp) puts back first.
+        ``bash -l`` reads /etc/profile, which sets PATH afresh. A container's CDI spec puts
+        nvidia-smi in /usr/bin (gpuhost.simulated's as nvidia-ctk's); a reference sandbox of
+        a simulated host has it in the host's tool path, put back first here once the login
+        profile has run. Nothing on a real host, whose tools are in /usr/bin.
         """
         tools = self.driver.host.tool_path
-        if not tools:
-            return
-        line = f'PATH="{":".join(tools)}:$PATH"; export PATH\n'
-        sandbox.exec(["sh", "-c", 'printf %s "$1" > "$HOME/.profile"', "profile", line]).check()
+        return f'PATH={":".join(tools)}:"$PATH"; ' if tools else ""
 
     def delete(self, name: str) -> Record:
         """Close the sandbox named ``name`` (its GPUs come back) and forget it."""

@@ -151,7 +151,9 @@ def test_exec_passes_env_output_and_exit_codes(gateway: RunningGateway, name: st
     assert killed.returncode == 1  # no exit code: the supervisor's 1
     late = gateway.cli(*run, "--timeout", "1", "--", "sh", "-c", "echo $$ > /tmp/pid; sleep 60")
     assert late.returncode == 124
-    gone = gateway.cli(*run, "--", "sh", "-c", 'kill -0 "$(cat /tmp/pid)"')
+    # Gone, or a zombie its new parent (the sandbox's pid 1) has yet to reap.
+    alive = 'p=$(cat /tmp/pid); test -e /proc/$p && ! grep -q "^State:.Z" /proc/$p/status'
+    gone = gateway.cli(*run, "--", "sh", "-c", alive)
     assert gone.returncode != 0, "the command outlived its timeout"
 
 
@@ -320,3 +322,13 @@ def test_the_command_lines_of_the_manifest_work(gateway: RunningGateway) -> None
         assert ok(gateway.cli("sandbox", "list", "--names", "--limit=1000", selector)) == ""
     finally:
         gateway.cli("sandbox", "delete", sandbox)
+
+
+def test_a_login_shell_finds_the_gpu_tools_whatever_the_environment(
+    gateway: RunningGateway, name: str
+) -> None:
+    # SANDBOX-ENV-01 sets HOME and PATH of its own; bash -l sets PATH afresh.
+    create(gateway, name, "--gpu", "--env=HOME=/nonexistent", "--env=PATH=/spec/bin:/usr/bin:/bin")
+    assert len(gpus_in(gateway, name)) == 1
+    shown = gateway.cli("sandbox", "exec", f"--name={name}", "--no-tty", "--", "printenv", "HOME")
+    assert ok(shown) == "/nonexistent\n"
