@@ -163,6 +163,14 @@ gosandbox: venv
 	  echo "gosandbox: not built: needed go on PATH (Debian: apt-get install golang-go)" >&2; \
 	fi
 
+# OpenShell's own CLI, the binary of PyPI's openshell 0.0.111, and its generated gRPC code, for
+# the OpenShell manifest and its stand-in gateway (openshell_standin/): cached in
+# /var/cache/gpu-sandbox/openshell; where glibc is older than the binary's 2.39 (Debian 12),
+# Debian 13's libc6 is unpacked beside it and scripts/openshell runs it through that loader.
+.PHONY: openshell
+openshell: $(BIN)/.installed
+	@PYTHON=$(BIN)/python scripts/openshell.sh install
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -174,7 +182,7 @@ lint: venv
 # The engine self-tests need dockerd and podman: installed when missing, started when not
 # running, and those this target started are stopped at the end.
 # The engines and the cluster it starts, it stops again; those that were running stay.
-test: venv host-packages test-packages lint vm-image gosandbox
+test: venv host-packages test-packages lint vm-image gosandbox openshell
 	@$(ENGINES) install
 	@$(CLUSTER) install
 	@cluster_was_up=""; $(CLUSTER) status >/dev/null 2>&1 && cluster_was_up=1; \
