@@ -223,6 +223,12 @@ bench-workloads: venv host-packages
 bench-external: venv host-packages
 	$(BIN)/python -m bench.external $(BENCH_ARGS)
 
+# What a payload printing 1 GB through exec costs the runner's memory, driver by driver
+# (bench/exec_memory.py; BENCH_ARGS=--bytes=N).
+.PHONY: bench-exec-memory
+bench-exec-memory: venv host-packages
+	$(BIN)/python -m bench.exec_memory $(BENCH_ARGS)
+
 # Where each lane's wall time goes: CPU of the suite and of the engines, idle share, the
 # slowest tests (bench/profile.py; BENCH_ARGS=--lanes=reference,vm --runs=1).
 .PHONY: bench-profile

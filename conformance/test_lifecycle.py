@@ -23,7 +23,7 @@ from conformance.observe import (
     visible_gpu_uuids,
 )
 from conformance.settings import Settings
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Driver, ExecResult, Sandbox
+from drivers.base import DEFAULT_EXEC_TIMEOUT_S, KEPT_BYTES, Driver, ExecResult, Sandbox
 from gpuhost.errors import ExecTimeout, GpusExhausted, SandboxExecError
 from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import SandboxSpec, parse_spec
@@ -33,6 +33,8 @@ ENDED_TIMEOUT_S = 60.0
 """How long a killed sandbox may take to be gone, on a loaded machine too."""
 LONG = 1 << 20
 """A mebibyte on each stream: more than any pipe or stream buffer holds at once."""
+BEYOND = (1 << 20) + 12345
+"""How far past ``KEPT_BYTES`` a stream runs when exec must cut it: not a round size."""
 
 
 @pytest.mark.requirement("GPU-RELEASE-01")
@@ -327,6 +329,70 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
         assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
         assert set(long.stdout) == {"o"}, way
         assert set(long.stderr) == {"e"}, way
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_keeps_each_stream_whole_up_to_the_bound_and_its_end_beyond(
+    sandboxes: SandboxFactory,
+) -> None:
+    """Exec MUST keep a stream whole to KEPT_BYTES, past it its end and the count cut."""
+    sandbox = sandboxes(SandboxSpec())
+    over = KEPT_BYTES + BEYOND
+    text = _numbered(over)  # where each byte sits shows in it: a head is not a tail
+    ways = _ways_to_run(sandbox)
+    # One stream exactly at the bound, the other past it, in one command; then the other way
+    # round. exec_stream keeps nothing: its descriptors MUST get all of both (once is enough).
+    runs = [("exec", "stdout", "stderr"), ("exec", "stderr", "stdout")]
+    for way, at, past in [*runs, ("exec_stream", "stdout", "stderr")]:
+        script = f"{_NUMBERED} {_head(KEPT_BYTES)} >&{_FD[at]}; {_head(over)} >&{_FD[past]}"
+        result = ways[way](["sh", "-c", script], timeout=600)
+        assert result.returncode == 0, f"{way}: exit {result.returncode}"
+        got = {"stdout": result.stdout, "stderr": result.stderr}
+        cut = {"stdout": result.stdout_cut, "stderr": result.stderr_cut}
+        end, cut_past = (text[-KEPT_BYTES:], BEYOND) if way == "exec" else (text, 0)
+        for stream, want, want_cut in ((at, text[:KEPT_BYTES], 0), (past, end, cut_past)):
+            problem = _differs(got[stream], want)
+            assert not problem, f"{way}: {stream} ({len(want)} bytes due): {problem}"
+            assert cut[stream] == want_cut, (
+                f"{way} says {cut[stream]} bytes of {stream} were cut, not {want_cut}"
+            )
+
+
+_NUMBERED = "b=$(seq 20000);"
+"""The numbers to 20,000 a line each: 108,894 bytes, under the 128 KiB of one argument."""
+_FD = {"stdout": 1, "stderr": 2}
+
+
+def _head(size: int) -> str:
+    """A command writing the first ``size`` bytes of ``_numbered``'s text.
+
+    ``yes`` repeats the numbers in bulk: ``seq`` or a shell loop would take a minute in an
+    emulated VM.
+    """
+    return f'yes "$b" | head -c {size}'
+
+
+def _numbered(size: int) -> str:
+    """What ``_head(size)`` writes: the numbers to 20,000, a line each, again and again.
+
+    ``BEYOND`` is no multiple of their length: the end of the text is not its beginning.
+    """
+    block = "".join(f"{i}\n" for i in range(1, 20001))
+    assert BEYOND % len(block)
+    return (block * (size // len(block) + 1))[:size]
+
+
+def _differs(got: str, want: str) -> str:
+    """Where ``got`` is not ``want`` (both long), for a message; empty when it is."""
+    if got == want:
+        return ""
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if at is None:
+        return f"{len(got)} characters, the same as far as both go"
+    return (
+        f"{len(got)} characters, the first difference at {at}: "
+        f"{got[max(0, at - 20) : at + 20]!r} where {want[max(0, at - 20) : at + 20]!r} was due"
+    )
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")

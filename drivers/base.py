@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from drivers.commands import DEFAULT_EXEC_TIMEOUT_S as DEFAULT_EXEC_TIMEOUT_S
+from drivers.commands import KEPT_BYTES as KEPT_BYTES
 from drivers.commands import Command as Command
 from drivers.commands import CommandTimedOut as CommandTimedOut
 from drivers.commands import ExecResult as ExecResult

@@ -15,11 +15,10 @@ driver (``gpu-sandbox spec``) does not pay for it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from drivers.base import write_all
 from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
@@ -31,7 +30,6 @@ from drivers.container import (
     ContainerDriver,
     ContainerRequest,
     EngineError,
-    ExecOutput,
     client_cache,
 )
 
@@ -122,30 +120,22 @@ class DockerDriver(ContainerDriver):
         self.api.start(container_id)
         return int(self.api.inspect_container(container_id)["State"]["Pid"])
 
-    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        api = _client(self.url, EXEC_API_TIMEOUT_S)
-        try:
-            exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
-            stdout, stderr = api.exec_start(exec_id, demux=True)
-            returncode = api.exec_inspect(exec_id)["ExitCode"]
-        except self.engine_errors() as exc:
-            raise EngineError(self.explain(exc)) from exc
-        return ExecOutput(returncode, stdout or b"", stderr or b"")
-
-    def exec_stream_in(
+    def exec_in(
         self,
         container_id: str,
         argv: Sequence[str],
         env: Mapping[str, str],
-        stdout: int,
-        stderr: int,
+        stdout: Callable[[bytes], None],
+        stderr: Callable[[bytes], None],
     ) -> int:
         api = _client(self.url, EXEC_API_TIMEOUT_S)
         try:
             exec_id = api.exec_create(container_id, list(argv), environment=dict(env))["Id"]
             for out, err in api.exec_start(exec_id, stream=True, demux=True):
-                write_all(stdout, out or b"")
-                write_all(stderr, err or b"")
+                if out:
+                    stdout(out)
+                if err:
+                    stderr(err)
             return int(api.exec_inspect(exec_id)["ExitCode"])
         except self.engine_errors() as exc:
             raise EngineError(self.explain(exc)) from exc

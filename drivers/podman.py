@@ -13,12 +13,11 @@ podman-py is imported only once the service is used.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
-from drivers.base import write_all
 from drivers.container import (
     API_TIMEOUT_S,
     EXEC_API_TIMEOUT_S,
@@ -30,7 +29,6 @@ from drivers.container import (
     ContainerDriver,
     ContainerRequest,
     EngineError,
-    ExecOutput,
     client_cache,
 )
 from gpuhost import cdi
@@ -109,25 +107,13 @@ class PodmanDriver(ContainerDriver):
         container.reload()
         return int(container.attrs["State"]["Pid"])
 
-    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        client = _client(self.url, EXEC_API_TIMEOUT_S)
-        try:
-            container = client.containers.get(container_id)
-            returncode, output = container.exec_run(list(argv), environment=dict(env), demux=True)
-        except self.engine_errors() as exc:
-            raise EngineError(str(exc)) from exc
-        if returncode is None or not isinstance(output, tuple):
-            raise EngineError(f"podman gave no exit code for {list(argv)!r}")
-        stdout, stderr = output
-        return ExecOutput(returncode, stdout or b"", stderr or b"")
-
-    def exec_stream_in(
+    def exec_in(
         self,
         container_id: str,
         argv: Sequence[str],
         env: Mapping[str, str],
-        stdout: int,
-        stderr: int,
+        stdout: Callable[[bytes], None],
+        stderr: Callable[[bytes], None],
     ) -> int:
         # podman-py's exec_run(stream=True) gives no exit code: its own calls, one by one.
         from podman.api import stream_frames
@@ -149,8 +135,10 @@ class PodmanDriver(ContainerDriver):
             started.raise_for_status()
             for frame in stream_frames(started, demux=True):
                 out, err = frame if isinstance(frame, tuple) else (frame, b"")
-                write_all(stdout, out or b"")
-                write_all(stderr, err or b"")
+                if out:
+                    stdout(out)
+                if err:
+                    stderr(err)
             inspected = api.get(f"/exec/{exec_id}/json")
             inspected.raise_for_status()
             returncode = inspected.json()["ExitCode"]

@@ -465,22 +465,18 @@ class ReferenceSandbox(HostProcessSandbox):
             if userns >= 0:
                 os.close(userns)
         try:
-            out, err = process.communicate(timeout=command.timeout)
+            return output.read_from(process, command.timeout)
         except BaseException as exc:
             # The group holds nsenter; the marker finds the rest, wherever it went.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             kill_marked(command.needle)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                process.communicate(timeout=KILL_TIMEOUT_S)
+                process.wait(KILL_TIMEOUT_S)
             stop_process(process)
             if isinstance(exc, subprocess.TimeoutExpired):
                 raise CommandTimedOut from None
             raise
-        if output.fds is None:
-            output.stdout(out)
-            output.stderr(err)
-        return process.returncode
 
     def running(self) -> bool:
         # The start time guards against entering an unrelated process that reused the pid.

@@ -52,7 +52,9 @@ class Sandbox(ABC):
 
         A non-zero exit is a result, not an error; ``ExecTimeout`` is raised when the command
         outlives ``timeout`` (it is killed, with everything it started), ``SandboxExecError``
-        when it cannot be run. Output is decoded as UTF-8, bytes that are not replaced.
+        when it cannot be run. Output is decoded as UTF-8, bytes that are not replaced. Each
+        stream is kept whole up to ``KEPT_BYTES``; of a longer one its last ``KEPT_BYTES``,
+        and the result counts the bytes cut before them (``stdout_cut``, ``stderr_cut``).
         """
         output = Output()
         returncode = self._exec(argv, timeout, output)
@@ -62,6 +64,7 @@ class Sandbox(ABC):
             returncode,
             stdout.decode(errors="replace"),
             stderr.decode(errors="replace"),
+            *output.cut(),
         )
 
     @final
@@ -75,8 +78,8 @@ class Sandbox(ABC):
         """Run ``argv`` inside the sandbox, its output going to ``stdout`` and ``stderr``.
 
         Those are file descriptors; it returns the command's exit code, and fails as ``exec``
-        does. The output passes through as the driver receives it (``gpu-sandbox run``
-        streams through it).
+        does. The output passes through whole, as the driver receives it, and nothing of it
+        is kept (``gpu-sandbox run`` streams through it).
         """
         return self._exec(argv, timeout, Output(stdout, stderr))
 
@@ -111,7 +114,8 @@ class Sandbox(ABC):
         - runs ``command.argv`` in the sandbox's pid namespace (the same one for every
           command), with the sandbox's environment and ``command.env`` over it, no stdin;
         - gives its output to ``output`` (``output.fds`` to the process, or
-          ``output.stdout(data)`` and ``output.stderr(data)`` as it comes);
+          ``output.stdout(data)`` and ``output.stderr(data)`` in parts as it comes, never
+          gathered whole: ``output.read_from(process, timeout)`` reads a process's pipes so);
         - at ``command.timeout`` kills every process of the sandbox whose environment holds
           ``command.needle`` (the command and whatever it started, setsid or not), then raises
           ``CommandTimedOut``;

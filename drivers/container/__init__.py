@@ -24,7 +24,6 @@ from drivers.container.api import SESSION_LABEL as SESSION_LABEL
 from drivers.container.api import STOP_TIMEOUT_S as STOP_TIMEOUT_S
 from drivers.container.api import ContainerRequest as ContainerRequest
 from drivers.container.api import EngineError as EngineError
-from drivers.container.api import ExecOutput as ExecOutput
 from drivers.container.api import client_cache as client_cache
 from drivers.container.driver import ContainerDriver as ContainerDriver
 from drivers.container.keepalive import KEEPALIVE_PATH as KEEPALIVE_PATH

@@ -1,4 +1,4 @@
-"""What a container engine is asked and answers: labels, timeouts, a request, an exec's output.
+"""What a container engine is asked and answers: labels, timeouts, a request, its errors.
 
 Every container carries labels: the session, the sandbox id, the driver and the CDI devices
 it holds; ``session_containers`` finds a session's by them.
@@ -49,13 +49,6 @@ class ContainerRequest:
     tool_mounts: tuple[tuple[str, str], ...] = ()
     """Read-only binds (host path, container path) of a simulated host's GPU tools, for
     devices no CDI spec brings them with (its spec mounts them with NVIDIA's)."""
-
-
-@dataclass(frozen=True)
-class ExecOutput:
-    returncode: int
-    stdout: bytes
-    stderr: bytes
 
 
 Client = TypeVar("Client")

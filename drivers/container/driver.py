@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from drivers.base import Availability, Driver, Launch, write_all
+from drivers.base import Availability, Driver, Launch
 from drivers.container.api import (
     DEVICES_LABEL,
     DRIVER_LABEL,
@@ -18,7 +18,6 @@ from drivers.container.api import (
     SESSION_LABEL,
     ContainerRequest,
     EngineError,
-    ExecOutput,
 )
 from drivers.container.keepalive import (
     KEEPALIVE_OPEN_TIMEOUT_S,
@@ -103,25 +102,19 @@ class ContainerDriver(Driver):
         """Start the created container; return its first process's pid on the host."""
 
     @abstractmethod
-    def exec_in(self, container_id: str, argv: Sequence[str], env: Mapping[str, str]) -> ExecOutput:
-        """Run a command in the container and wait for it; ``EngineError`` if it cannot."""
-
-    def exec_stream_in(
+    def exec_in(
         self,
         container_id: str,
         argv: Sequence[str],
         env: Mapping[str, str],
-        stdout: int,
-        stderr: int,
+        stdout: Callable[[bytes], None],
+        stderr: Callable[[bytes], None],
     ) -> int:
-        """``exec_in``, writing the output to the file descriptors as the engine sends it.
+        """Run a command in the container and wait for it: its exit code.
 
-        This default writes it once the command has ended; engines override it.
+        Its output goes to ``stdout`` and ``stderr`` in parts, as the engine sends it, never
+        gathered whole; ``EngineError`` if it cannot run.
         """
-        output = self.exec_in(container_id, argv, env)
-        write_all(stdout, output.stdout)
-        write_all(stderr, output.stderr)
-        return output.returncode
 
     @abstractmethod
     def remove_container(self, container_id: str) -> None:

@@ -43,15 +43,9 @@ class ContainerSandbox(Sandbox):
         timer = ExecTimer(command.timeout, command.needle)
         timer.start()
         try:
-            if output.fds is None:
-                done = self._engine.exec_in(self.container_id, command.argv, command.env)
-                output.stdout(done.stdout)
-                output.stderr(done.stderr)
-                returncode = done.returncode
-            else:
-                returncode = self._engine.exec_stream_in(
-                    self.container_id, command.argv, command.env, *output.fds
-                )
+            returncode = self._engine.exec_in(
+                self.container_id, command.argv, command.env, output.stdout, output.stderr
+            )
         except EngineError as exc:
             if timer.fired:
                 raise CommandTimedOut from exc

@@ -22,7 +22,14 @@ from typing import ClassVar
 
 from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
 from drivers.external.manifest import RESERVED_CONFIG_KEYS, Manifest
-from drivers.external.process import PIPE, checked, command_env, finish, run_operation, spawn
+from drivers.external.process import (
+    PIPE,
+    checked,
+    command_env,
+    run_operation,
+    spawn,
+    terminate_group,
+)
 from drivers.external.process import ExternalDriverError as ExternalDriverError
 from drivers.external.process import OperationTimedOut as OperationTimedOut
 from drivers.external.templates import CreateRequest, OptionLike, render, render_create
@@ -35,6 +42,7 @@ from gpuhost.errors import (
     shown,
 )
 from gpuhost.leases import Holder
+from gpuhost.procfs import kill_marked
 from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan, SandboxSpec
 
 DRY_RUN_ID = "0" * 12
@@ -413,15 +421,18 @@ class ExternalSandbox(Sandbox):
             process = spawn(argv, {**self._adapter.env, **command.env}, *fds)
         except OSError as exc:
             raise SandboxExecError(f"cannot run {shown(argv)}: {exc}") from exc
-        done = finish(process, command.timeout, command.needle)
-        if done is None:
-            raise CommandTimedOut
-        out, err = done
-        if output.fds is None:
-            output.stdout(out)
-            output.stderr(err)
+        try:
+            output.read_from(process, command.timeout)
+        except subprocess.TimeoutExpired:
+            kill_marked(command.needle)
+            terminate_group(process)
+            raise CommandTimedOut from None
+        finally:
+            for pipe in (process.stdout, process.stderr):
+                if pipe is not None:
+                    pipe.close()
         if process.returncode in self._adapter.manifest.driver_error_codes:
-            said = err.decode(errors="replace").strip()
+            said = output.kept()[1][-4096:].decode(errors="replace").strip()  # its end says why
             raise SandboxExecError(
                 f"{self.driver}'s exec {shown(argv)} failed with its own exit code "
                 f"{process.returncode} (the manifest's driverErrorCodes): {said}"

@@ -1,6 +1,7 @@
 """Commands run in a pod through the API server's exec stream (the client's ``stream``).
 
-Exit code, stdout and stderr come whole. Each command carries a marker in its environment,
+Stdout and stderr are handed on in parts as the stream brings them, never gathered here; the
+exit code comes at the stream's end. Each command carries a marker in its environment,
 which everything it starts inherits; the API has no call to stop an exec, so at the
 command's timeout every process of the pod that carries the marker is killed from a second
 exec. ``kill -9 -1`` from inside ends every process of a pod, its first one too.

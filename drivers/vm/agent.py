@@ -45,12 +45,21 @@ class Channel:
         self.buffer[:] = rest
         return line
 
-    def read_exactly(self, size: int, deadline: float, alive: Callable[[], bool] | None) -> bytes:
-        while len(self.buffer) < size:
-            self._fill(deadline, alive)
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
+    def pass_on(
+        self,
+        size: int,
+        sink: Callable[[bytes], None],
+        deadline: float,
+        alive: Callable[[], bool] | None,
+    ) -> None:
+        """Hand the next ``size`` bytes to ``sink`` as they come, never holding them all."""
+        while size > 0:
+            if not self.buffer:
+                self._fill(deadline, alive)
+            data = bytes(self.buffer[:size])
+            del self.buffer[: len(data)]
+            size -= len(data)
+            sink(data)
 
     def _fill(self, deadline: float, alive: Callable[[], bool] | None) -> None:
         # Short rounds, so that a VM that died is noticed without waiting out the deadline.
@@ -124,8 +133,8 @@ class GuestAgent:
             if (verb, answered) != ("done", str(request)):
                 raise SandboxExecError(f"the agent of VM {self.vm} answered {header!r}")
             deadline = time.monotonic() + TRANSFER_TIMEOUT_S
-            output.stdout(self.exec_port.read_exactly(int(out), deadline, alive))
-            output.stderr(self.exec_port.read_exactly(int(err), deadline, alive))
+            self.exec_port.pass_on(int(out), output.stdout, deadline, alive)
+            self.exec_port.pass_on(int(err), output.stderr, deadline, alive)
         return int(returncode), timed_out
 
     def close(self) -> None:

@@ -168,8 +168,8 @@ class Jail(Sandbox):
             )  # fmt: skip
         except OSError as exc:
             raise SandboxExecError(f"cannot run {command.argv} in jail {self.id}: {exc}") from exc
-        try:
-            out, err = process.communicate(timeout=command.timeout)
+        try:  # the output in parts as it comes: exec keeps only its end
+            return output.read_from(process, command.timeout)
         except subprocess.TimeoutExpired:
             # nsenter's process group holds the command; the marker finds what left it (setsid).
             with contextlib.suppress(ProcessLookupError):
@@ -177,10 +177,6 @@ class Jail(Sandbox):
             kill_marked(command.needle)
             stop_process(process)
             raise CommandTimedOut from None
-        if output.fds is None:
-            output.stdout(out)
-            output.stderr(err)
-        return process.returncode
 
     def running(self) -> bool:
         return self.bwrap.poll() is None and not select.select([self.pidfd], [], [], 0)[0]

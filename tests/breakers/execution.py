@@ -13,7 +13,14 @@ import signal
 import threading
 from collections.abc import Callable, Mapping
 
-from drivers.base import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, Launch, Output
+from drivers.base import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    KEPT_BYTES,
+    Command,
+    CommandTimedOut,
+    Launch,
+    Output,
+)
 from drivers.reference import ReferenceSandbox
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process
 from tests.breakers.base import BrokenDriver
@@ -58,6 +65,39 @@ class ExecTruncatesOutput(BrokenDriver):
 
     BREAKS = "SANDBOX-EXEC-01"
     SANDBOX = _TruncatingSandbox
+
+
+class _HeadOnly(Output):
+    """Passes on the first ``KEPT_BYTES`` of each stream, and drops the rest unseen."""
+
+    def __init__(self, into: Output) -> None:
+        super().__init__()
+        self._into = into
+        self._room = [KEPT_BYTES, KEPT_BYTES]
+
+    def stdout(self, data: bytes) -> None:
+        self._keep(0, data, self._into.stdout)
+
+    def stderr(self, data: bytes) -> None:
+        self._keep(1, data, self._into.stderr)
+
+    def _keep(self, stream: int, data: bytes, into: Callable[[bytes], None]) -> None:
+        taken = data[: self._room[stream]]
+        self._room[stream] -= len(taken)
+        if taken:
+            into(taken)
+
+
+class _HeadKeepingSandbox(ReferenceSandbox):
+    def run(self, command: Command, output: Output) -> int:
+        return super().run(command, output if output.fds else _HeadOnly(output))
+
+
+class ExecKeepsTheHead(BrokenDriver):
+    """SANDBOX-EXEC-01: exec keeps a long stream's first 16 MiB, as a fixed buffer would."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+    SANDBOX = _HeadKeepingSandbox
 
 
 _SILENT_TOO_LONG = 231

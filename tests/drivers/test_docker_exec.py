@@ -8,6 +8,7 @@ in one write, so the case that loses output with docker-py's own stream reader
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -21,6 +22,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from drivers.base import write_all
 from drivers.docker import DockerDriver
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
@@ -132,28 +134,19 @@ def test_docker_py_alone_loses_output_that_came_with_the_headers(daemon: str) ->
 def test_exec_keeps_output_that_came_with_the_headers(
     daemon: str, sim_host: simulated.SimulatedHost
 ) -> None:
-    output = driver(sim_host).exec_in("c" * 64, ["nvidia-smi", "-L"], {})
-    assert output.stdout == b"GPU-0\nGPU-1\n"
-    assert output.stderr == b"a warning\n"
-    assert output.returncode == 3
-
-
-def test_streamed_exec_keeps_output_that_came_with_the_headers(
-    daemon: str, sim_host: simulated.SimulatedHost, tmp_path: Path
-) -> None:
-    out, err = tmp_path / "out", tmp_path / "err"
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        returncode = driver(sim_host).exec_stream_in(
-            "c" * 64, ["nvidia-smi", "-L"], {}, stdout.fileno(), stderr.fileno()
-        )
-    assert (out.read_bytes(), err.read_bytes(), returncode) == (
+    out: list[bytes] = []
+    err: list[bytes] = []
+    returncode = driver(sim_host).exec_in(
+        "c" * 64, ["nvidia-smi", "-L"], {}, out.append, err.append
+    )
+    assert (b"".join(out), b"".join(err), returncode) == (
         b"GPU-0\nGPU-1\n",
         b"a warning\n",
         3,
     )
 
 
-def test_streamed_exec_hands_on_what_came_with_the_headers_at_once(
+def test_exec_hands_on_what_came_with_the_headers_at_once(
     daemon: str, sim_host: simulated.SimulatedHost
 ) -> None:
     """A command's first output, come with the headers, is passed on before it writes more."""
@@ -163,8 +156,8 @@ def test_streamed_exec_hands_on_what_came_with_the_headers_at_once(
     try:
         with ThreadPoolExecutor(1) as pool:
             streaming = pool.submit(
-                driver(sim_host).exec_stream_in,
-                "c" * 64, ["nvidia-smi", "-L"], {}, out_write, err_write,
+                driver(sim_host).exec_in, "c" * 64, ["nvidia-smi", "-L"], {},
+                functools.partial(write_all, out_write), functools.partial(write_all, err_write),
             )  # fmt: skip
             ready, _, _ = select.select([out_read], [], [], 10)
             assert ready, "the output that came with the headers waits for the command's next"

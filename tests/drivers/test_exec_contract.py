@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import time
 
 import pytest
 
-from drivers.base import Command, CommandTimedOut, Output, Sandbox
+from drivers.base import KEPT_BYTES, Command, CommandTimedOut, Output, Sandbox
 from gpuhost.errors import ExecTimeout, SandboxExecError
 from gpuhost.leases import Holder
 from gpuhost.procfs import EXEC_MARKER_ENV
@@ -140,3 +142,108 @@ def test_a_failure_in_a_sandbox_that_died_meanwhile_is_an_error_not_a_result() -
     with pytest.raises(SandboxExecError, match="not running") as raised:
         sandbox.exec(["true"])
     assert isinstance(raised.value.__cause__, SandboxExecError)
+
+
+class Loud(Recording):
+    """Prints ``sizes`` bytes on stdout, part by part, and exactly ``KEPT_BYTES`` on stderr."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.sizes = sizes
+
+    def run(self, command: Command, output: Output) -> int:
+        for size in self.sizes:
+            output.stdout(PATTERN[:size])
+        output.stderr(PATTERN[:KEPT_BYTES])
+        return 1
+
+
+PATTERN = bytes(range(251)) * (3 * KEPT_BYTES // 251)
+"""Bytes whose place shows in them (251 is prime: no power of two lines up with it)."""
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[KEPT_BYTES], [KEPT_BYTES + 1], [1] * 3 + [KEPT_BYTES], [65536] * 300, [2 * KEPT_BYTES + 7]],
+    ids=["at-the-bound", "one-past", "small-then-bound", "many-parts", "one-large-part"],
+)
+def test_exec_keeps_the_last_kept_bytes_of_each_stream_and_counts_what_it_cut(
+    sizes: list[int],
+) -> None:
+    result = Loud(sizes).exec(["loud"])
+    printed = b"".join(PATTERN[:size] for size in sizes)
+    cut = max(0, len(printed) - KEPT_BYTES)
+    kept = Output()
+    for size in sizes:
+        kept.stdout(PATTERN[:size])
+    # Compared first, asserted after: pytest would diff the 16 MiB on a failure.
+    tail = kept.kept()[0] == printed[cut:]
+    assert tail, "Output kept something else than the end"
+    assert kept.cut() == (cut, 0)
+    assert (result.stdout_cut, result.stderr_cut) == (cut, 0)
+    decoded = result.stdout == printed[cut:].decode(errors="replace")
+    assert decoded, "exec's stdout is not the end of what was printed"
+    whole = result.stderr == PATTERN[:KEPT_BYTES].decode(errors="replace")
+    assert whole, "exec's stderr, at the bound, is not whole"
+    with pytest.raises(AssertionError) as failed:
+        result.check()
+    said = str(failed.value).splitlines()[-1]
+    if cut:
+        assert (
+            said == f"the first {cut:,} bytes of stdout were cut (its last {KEPT_BYTES:,} are kept)"
+        )
+    else:
+        assert "were cut" not in str(failed.value)
+
+
+def test_what_exec_holds_stays_within_the_bound_however_much_comes() -> None:
+    kept = Output()
+    part = PATTERN[: 3 * 1024 * 1024 + 1]
+    for _ in range(100):  # 300 MiB
+        kept.stdout(part)
+        kept.stderr(part[:7])
+        assert len(kept._kept[0].kept) <= KEPT_BYTES
+        assert len(kept._kept[1].kept) <= KEPT_BYTES
+    assert kept.cut() == (100 * len(part) - KEPT_BYTES, 0)
+
+
+def test_exec_stream_keeps_nothing() -> None:
+    out_read, out_write = os.pipe()
+    try:
+        output = Output(out_write, out_write)
+        output.stdout(b"x")
+        assert output.kept() == (b"", b"")
+        assert output.cut() == (0, 0)
+        assert os.read(out_read, 10) == b"x"
+    finally:
+        os.close(out_read)
+        os.close(out_write)
+
+
+def test_read_from_passes_a_process_s_pipes_on_and_closes_them() -> None:
+    script = "head -c 300000 /dev/zero; printf e >&2; exit 4"
+    process = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    parts: list[bytes] = []
+    output = Output()
+    output.stdout = parts.append  # type: ignore[method-assign,assignment]
+    assert output.read_from(process, 30) == 4
+    assert b"".join(parts) == bytes(300000)
+    assert len(parts) > 1, "it waited for the whole output"
+    assert output.kept() == (b"", b"e")
+    assert process.stdout is not None
+    assert process.stdout.closed
+    assert process.stderr is not None
+    assert process.stderr.closed
+
+
+def test_read_from_raises_at_its_timeout_and_leaves_the_process_to_the_caller() -> None:
+    process = subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        started = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            Output().read_from(process, 0.3)
+        assert time.monotonic() - started < 5
+        assert process.poll() is None
+    finally:
+        process.kill()
+        process.wait()
