@@ -3,8 +3,17 @@
 A ``Connection`` starts the process on its first request (``hello`` first, its answer checked),
 writes one request per line to its stdin and hands each line of its stdout to the request of
 that id, from a reader thread, so that any number of threads have requests in flight at once.
-Every message read is held to the protocol's schema. When the process dies, every request in
-flight fails naming it, and the next request starts a new process (a new ``generation``).
+Every message read is held to the protocol's schema, and must answer its request's op. An
+exec's output events go, decoded, straight to its sink as they are read: nothing of them
+queues. A message that breaks the protocol fails its request alone (``ProtocolError``, naming
+the field and the value), and what comes later of that request is dropped.
+
+The process itself is watched (a pidfd), not only its stdout: when it dies, every request in
+flight fails at once naming it, even while something it started still holds the pipe, and
+nothing it started outlives it: its process group, every process carrying its marker
+(``DRIVER_MARKER_ENV``, which everything it starts inherits, setsid or not) and every other
+process holding its end of its stdin or stdout is killed. The next request starts a new
+process (a new ``generation``).
 
 ``GPU_SANDBOX_JSONL_TRACE=PATH`` appends every message, both ways, to PATH as JSON lines
 (``{"to": "driver"|"adapter", "message": ...}``): the self-tests validate them all.
@@ -16,7 +25,6 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import threading
 import time
@@ -24,16 +32,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from drivers.external.protocol import PROTOCOL_VERSION, ProtocolError, validator
+from drivers.external.jsonl_process import DriverProcess
+from drivers.external.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    answer_error,
+    output_data,
+    validator,
+)
 from gpuhost.errors import DriverError, shown
 
 TRACE_ENV = "GPU_SANDBOX_JSONL_TRACE"
-TERM_GRACE_S = 2.0
-"""How long the driver process has between SIGTERM and SIGKILL."""
 CANCEL_GRACE_S = 2.0
 """How long a cancelled request has to be answered before the adapter ends what runs it."""
-MAX_LINE = 64 * 1024 * 1024
-"""A line longer than this is not a message (64 MiB: an output chunk is far smaller)."""
+Sink = Callable[[str, bytes], None]
+"""Where an exec's output goes as it is read: the stream ("stdout", "stderr"), the bytes."""
 
 
 class DriverProcessDied(DriverError):
@@ -42,11 +55,18 @@ class DriverProcessDied(DriverError):
 
 @dataclass
 class Pending:
-    """A request in flight: its events and its final reply arrive on ``inbox`` in order."""
+    """A request in flight: its reply, or what failed it, arrives on ``inbox``.
+
+    An exec's events do not: its output goes to ``sink`` and its ``started`` pid to ``pid``,
+    from the reader thread, as they are read.
+    """
 
     id: int
     what: str
     generation: int
+    op: str
+    sink: Sink | None = None
+    pid: int | None = None
     inbox: queue.Queue[dict[str, Any] | BaseException] = field(default_factory=queue.Queue)
 
 
@@ -69,7 +89,7 @@ class Connection:
         self.generation = 0
         self.sessions: dict[int, set[str]] = {}
         """The sessions each generation made sandboxes in: reaped once it has died."""
-        self._process: subprocess.Popen[bytes] | None = None
+        self._driver: DriverProcess | None = None
         self._pending: dict[int, Pending] = {}
         self._next_id = 1
         self._lock = threading.RLock()
@@ -84,10 +104,15 @@ class Connection:
 
     # -- the process ------------------------------------------------------------------------
 
+    @property
+    def pid(self) -> int | None:
+        """The driver process's pid, once one was started."""
+        return None if self._driver is None else self._driver.popen.pid
+
     def alive(self, generation: int | None = None) -> bool:
         """Whether the process runs (and is still ``generation``, when given)."""
-        process = self._process
-        running = process is not None and process.poll() is None
+        driver = self._driver
+        running = driver is not None and driver.popen.poll() is None
         return running and (generation is None or generation == self.generation)
 
     def ensure(self) -> int:
@@ -103,18 +128,17 @@ class Connection:
 
     def _start(self) -> None:
         try:
-            process = subprocess.Popen(
-                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.cwd,
-                start_new_session=True, env=self.env,
-            )  # fmt: skip
+            driver = DriverProcess.start(self.argv, self.cwd, self.env)
         except OSError as exc:
             raise DriverError(f"cannot start the driver process {shown(self.argv)}: {exc}") from exc
-        self._process = process
+        # Before anything may reap it: the pidfd says when the process itself has ended.
+        pidfd = os.pidfd_open(driver.popen.pid)
+        self._driver = driver
         self.generation += 1
         self.sessions[self.generation] = set()
         reader = threading.Thread(
-            target=self._read, args=(process, self.generation), daemon=True,
-            name=f"jsonl-reader-{process.pid}",
+            target=self._read, args=(driver, self.generation, pidfd), daemon=True,
+            name=f"jsonl-reader-{driver.popen.pid}",
         )  # fmt: skip
         reader.start()
         try:
@@ -130,29 +154,20 @@ class Connection:
             raise
 
     def terminate(self) -> None:
-        """SIGTERM the driver process's group, then SIGKILL it; what was in flight fails."""
-        process = self._process
-        if process is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, sig)
-            try:
-                process.wait(TERM_GRACE_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)  # what it started, once it is gone
-        process.wait()
+        """SIGTERM the driver process's group, then SIGKILL it and all that is left of it.
+
+        What was in flight fails.
+        """
+        if self._driver is not None:
+            self._driver.end()
 
     def shutdown(self, timeout: float) -> None:
         """Ask the process to end (``shutdown``), then end it anyway."""
         if self.alive():
             with contextlib.suppress(DriverError):
                 self.call({"op": "shutdown"}, timeout, "shutdown")
-            process = self._process
-            assert process is not None
+            assert self._driver is not None
+            process = self._driver.popen
             if process.stdin is not None:
                 with contextlib.suppress(OSError):
                     process.stdin.close()
@@ -162,16 +177,22 @@ class Connection:
 
     # -- requests -------------------------------------------------------------------------
 
-    def send(self, request: dict[str, Any], what: str, generation: int | None = None) -> Pending:
-        """Write ``request`` with an id of its own; its answers come to the returned ``Pending``."""
+    def send(
+        self, request: dict[str, Any], what: str, generation: int | None = None,
+        sink: Sink | None = None,
+    ) -> Pending:  # fmt: skip
+        """Write ``request`` with an id of its own; its answers come to the returned ``Pending``.
+
+        An exec's output goes to ``sink``, from the reader thread.
+        """
         with self._pending_lock:
             current = self.generation
             if generation is not None and generation != current:
                 raise DriverProcessDied(f"{what}: the driver process it was made by has died")
-            process = self._process
+            process = None if self._driver is None else self._driver.popen
             ident = self._next_id
             self._next_id += 1
-            pending = Pending(ident, what, current)
+            pending = Pending(ident, what, current, request["op"], sink)
             self._pending[ident] = pending
         message = {"id": ident, **request}
         line = json.dumps(message, separators=(",", ":")).encode() + b"\n"
@@ -202,39 +223,30 @@ class Connection:
         return reply
 
     def wait(self, pending: Pending, timeout: float) -> dict[str, Any] | None:
-        """Its final reply (events are not expected), None at ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            message = self.next(pending, deadline)
-            if message is None or "event" not in message:
-                return message
+        """Its reply, None at ``timeout``; raises what failed the request."""
+        return self.next(pending, time.monotonic() + timeout)
 
     def next(self, pending: Pending, deadline: float) -> dict[str, Any] | None:
-        """Its next message by ``deadline`` (None then); raises what killed the request."""
+        """Its reply by ``deadline`` (None then); raises what failed the request."""
         try:
             item = pending.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             return None
         if isinstance(item, BaseException):
             raise item
-        if "event" not in item:
-            self.forget(pending)
         return item
 
     def cancel(self, pending: Pending, grace: float) -> dict[str, Any] | None:
         """Send ``cancel`` for it; its reply (a result or an error) within ``grace``, else None."""
         with contextlib.suppress(DriverError):
             self.send({"op": "cancel", "target": pending.id}, f"cancel of {pending.what}")
-        deadline = time.monotonic() + grace
-        while True:
-            try:
-                message = self.next(pending, deadline)
-            except DriverProcessDied:
-                return None
-            if message is None or "event" not in message:
-                if message is None:
-                    self.forget(pending)
-                return message
+        try:
+            message = self.wait(pending, grace)
+        except DriverProcessDied:
+            return None
+        if message is None:
+            self.forget(pending)
+        return message
 
     def forget(self, pending: Pending) -> None:
         with self._pending_lock:
@@ -242,39 +254,79 @@ class Connection:
 
     # -- the reader -------------------------------------------------------------------------
 
-    def _read(self, process: subprocess.Popen[bytes], generation: int) -> None:
-        assert process.stdout is not None
+    def _read(self, driver: DriverProcess, generation: int, pidfd: int) -> None:
         problem = ""
-        for raw in iter(lambda: process.stdout.readline(MAX_LINE), b""):  # type: ignore[union-attr]
-            try:
-                message = json.loads(raw)
-            except ValueError:
-                problem = f"a line that is not JSON: {shown(raw)}"
-                break
-            self._record("adapter", message)
-            errors = sorted(self._validator.iter_errors(message), key=str)
-            ident = message.get("id") if isinstance(message, dict) else None
-            with self._pending_lock:
-                pending = self._pending.get(ident) if isinstance(ident, int) else None
-            if errors:
-                error = ProtocolError(
-                    f"the driver sent a message outside the protocol ({errors[0].message}): "
-                    f"{shown(message, 200)}"
-                )
-                if pending is None:
-                    problem = str(error)
+        try:
+            for line in driver.lines(pidfd):
+                problem = self._take(line)
+                if problem:
                     break
-                pending.inbox.put(error)
-                self.forget(pending)
-                continue
-            if pending is not None:
-                pending.inbox.put(message)
-            # An answer to a request the adapter gave up on (cancelled, timed out) is dropped.
-        code = process.wait() if not problem else None
-        if problem:
-            self.terminate()
-            code = process.returncode
-        self._fail_in_flight(generation, process, code, problem)
+        except ProtocolError as exc:  # a line past MAX_LINE
+            problem = str(exc)
+        finally:
+            os.close(pidfd)
+        # Dead, or its stdout ended, or it broke the protocol: it can answer nothing more.
+        code = driver.stop(term=driver.popen.poll() is None)
+        self._fail_in_flight(generation, driver.popen, code, problem)
+        driver.clear()
+        for pipe in (driver.popen.stdin, driver.popen.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a write may be failing on it meanwhile
+                    pipe.close()
+
+    def _take(self, raw: bytes) -> str:
+        """Hand one line to its request; what breaks the protocol for them all, else ""."""
+        try:
+            message = json.loads(raw)
+        except (ValueError, RecursionError):
+            return f"a line that is not JSON: {shown(raw)}"
+        self._record("adapter", message)
+        ident = message.get("id") if isinstance(message, dict) else None
+        if type(ident) is not int:
+            ident = 0  # no request's: ids start at 1
+        with self._pending_lock:
+            pending = self._pending.get(ident)
+            issued = 0 < ident < self._next_id
+        if pending is None:
+            if issued:
+                return ""  # a request the adapter gave up on (cancelled, timed out, failed)
+            errors = sorted(self._validator.iter_errors(message), key=str)
+            if errors:  # answering nothing the adapter asked: the driver is broken
+                return (
+                    f"a message outside the protocol ({errors[0].message}): {shown(message, 200)}"
+                )
+            return ""
+        try:
+            if message.get("event") == "output" and pending.op == "exec":
+                stream, data = output_data(message)
+                if pending.sink is not None:
+                    pending.sink(stream, data)
+                return ""
+            error = answer_error(message, pending.op)
+            if error is not None:
+                raise error
+        except ProtocolError as exc:
+            fault = ProtocolError(
+                f"{pending.what}: the driver's message {ident} breaks the protocol: {exc}; "
+                "the request fails, and what more comes of it is dropped",
+                exc.field,
+                exc.value,
+            )
+            self._answer(pending, fault)
+            return ""
+        except OSError as exc:  # the caller's descriptor (exec_stream) refused it
+            self._answer(pending, DriverError(f"{pending.what}: cannot pass its output on: {exc}"))
+            return ""
+        if message.get("event") == "started":
+            pending.pid = message["pid"]
+        else:
+            self._answer(pending, message)
+        return ""
+
+    def _answer(self, pending: Pending, answer: dict[str, Any] | BaseException) -> None:
+        """The request's last word: nothing of it is read after this."""
+        self.forget(pending)
+        pending.inbox.put(answer)
 
     def _fail_in_flight(
         self, generation: int, process: subprocess.Popen[bytes], code: int | None, problem: str

@@ -10,7 +10,6 @@ else the driver process), and raises the suite's typed error with "timeout" in i
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
 import os
 import signal
@@ -20,14 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from drivers.base import Availability, Command, CommandTimedOut, Launch, Output, Sandbox
-from drivers.external.connection import (
-    CANCEL_GRACE_S,
-    TERM_GRACE_S,
-    Connection,
-    DriverProcessDied,
-)
+from drivers.base import Availability, Command, CommandTimedOut, Launch, Output, Sandbox, write_all
+from drivers.external.connection import CANCEL_GRACE_S, Connection, DriverProcessDied, Pending
 from drivers.external.driver import ExternalDriver, ExternalDriverError, OperationTimedOut
+from drivers.external.process import TERM_GRACE_S
 from drivers.external.protocol import PROTOCOL_VERSION, ProtocolError, exec_error, request_error
 from drivers.external.templates import substitute
 from gpuhost.devices import GpuDevice
@@ -225,36 +220,29 @@ class JsonlSandbox(Sandbox):
             "op": "exec", "sandbox_id": self.id, "argv": list(command.argv),
             "env": command.env, "timeout": command.timeout,
         }  # fmt: skip
+        sink = _Sink(output)
         try:
-            pending = self._conn.send(request, what, self.generation)
-            deadline = time.monotonic() + command.timeout + EXEC_SLACK_S
-            pid = None
-            while True:
-                message = self._conn.next(pending, deadline)
-                if message is None:
-                    self._cancel(pending, command, pid)
-                    raise CommandTimedOut
-                if message.get("event") == "output":
-                    data = base64.b64decode(message["data"])
-                    (output.stdout if message["stream"] == "stdout" else output.stderr)(data)
-                elif message.get("event") == "started":
-                    pid = message["pid"]
-                else:
-                    break
+            pending = self._conn.send(request, what, self.generation, sink.write)
+            message = self._conn.next(pending, time.monotonic() + command.timeout + EXEC_SLACK_S)
+            if message is None:
+                self._cancel(pending, command)
+                raise CommandTimedOut
         except DriverError as exc:
             raise SandboxExecError(str(exc)) from exc
+        finally:
+            sink.close()
         if "error" in message:
             if message["error"]["type"] in ("timeout", "cancelled"):
                 raise CommandTimedOut
             raise exec_error(message["error"], what)
         return signal_code(message["result"])
 
-    def _cancel(self, pending: Any, command: Command, pid: int | None) -> None:
+    def _cancel(self, pending: Pending, command: Command) -> None:
         """Past its timeout: cancel it; unanswered, SIGTERM then SIGKILL what it started."""
         if self._conn.cancel(pending, CANCEL_GRACE_S) is not None:
             return
-        process = self._conn._process
-        own = pid is not None and process is not None and descends_from(pid, process.pid)
+        pid, driver = pending.pid, self._conn.pid
+        own = pid is not None and driver is not None and descends_from(pid, driver)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if own:
                 assert pid is not None
@@ -286,3 +274,45 @@ class JsonlSandbox(Sandbox):
 
     def kill(self) -> None:
         self._close(kill=True)
+
+
+class _Sink:
+    """Where the reader thread hands an exec's output; once closed, nothing more is written.
+
+    To the caller's descriptors through copies of them (``exec_stream``): the reader may be
+    in a write when the exec ends (a descriptor nobody reads), and the caller may close its
+    own then; the copies are closed after that write, never under it.
+    """
+
+    def __init__(self, output: Output) -> None:
+        self._output = output
+        self._fds = () if output.fds is None else tuple(os.dup(fd) for fd in output.fds)
+        self._lock = threading.Lock()
+        self._writing = self._closed = False
+
+    def write(self, stream: str, data: bytes) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._writing = True
+        try:
+            if self._fds:
+                write_all(self._fds[stream == "stderr"], data)
+            else:
+                (self._output.stdout if stream == "stdout" else self._output.stderr)(data)
+        finally:
+            with self._lock:
+                self._writing = False
+                if self._closed:
+                    self._release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if not self._writing:
+                self._release()
+
+    def _release(self) -> None:
+        fds, self._fds = self._fds, ()
+        for fd in fds:
+            os.close(fd)

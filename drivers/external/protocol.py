@@ -8,6 +8,8 @@ protocol's; the adapter turns them back with ``raise_error``.
 
 from __future__ import annotations
 
+import binascii
+import functools
 import json
 import sys
 from collections.abc import Mapping
@@ -30,6 +32,7 @@ from gpuhost.errors import (
     UnknownGpuDevice,
     UnknownImage,
     UnsupportedGpuRequest,
+    shown,
 )
 
 PROTOCOL_VERSION: Final = 1
@@ -55,7 +58,99 @@ INVALID_REASONS: Mapping[str, type[RequestError]] = {
 
 
 class ProtocolError(DriverError):
-    """A message outside the protocol, or an answer the adapter cannot take."""
+    """A message outside the protocol, or an answer the adapter cannot take.
+
+    ``field`` is where in the message the fault is (``data``, ``op``, ``result.exit_code``;
+    empty: the message as a whole), ``value`` what was found there; the message names both.
+    """
+
+    def __init__(self, problem: str, field: str = "", value: object = None) -> None:
+        super().__init__(problem)
+        self.field = field
+        self.value = value
+
+
+def answer_error(message: dict[str, Any], op: str) -> ProtocolError | None:
+    """What is wrong with ``message``, read as an answer to a request of ``op``; None: nothing.
+
+    A message of the protocol answers ``op``: a reply of that op, or an event of an exec.
+    It is held to the one shape of ``$defs.fromDriver`` that what it is (its ``event``, its
+    ``error``, its ``op``) says it has, so that the fault is named where it is.
+    """
+    import jsonschema
+
+    event = message.get("event")
+    if event is not None and op != "exec":
+        return ProtocolError(
+            f"event {shown(event)}: an event answers an exec, not {op}", "event", event
+        )
+    key = (
+        ("event", event)
+        if "event" in message
+        else ("error" if "error" in message else "result", message.get("op"))
+    )
+    shape = _shapes().get(key) if key[0] != "error" else _shapes()[("error", None)]
+    if shape is None:
+        field = key[0] if key[0] == "event" else "op"
+        return ProtocolError(f"{field} {shown(key[1])}: not one of the protocol's", field, key[1])
+    error = jsonschema.exceptions.best_match(shape.iter_errors(message))
+    if error is not None:
+        field = ".".join(str(part) for part in error.absolute_path)
+        return ProtocolError(
+            f"{field or 'the message'} {shown(error.instance)}: {error.message}",
+            field,
+            error.instance,
+        )
+    if "event" not in message and message["op"] != op:
+        return ProtocolError(
+            f"op {shown(message['op'])}: the request was {op}", "op", message["op"]
+        )
+    return None
+
+
+@functools.cache
+def _shapes() -> dict[tuple[str, Any], Any]:
+    """A validator of each shape of ``$defs.fromDriver``, by what tells it from the others."""
+    import jsonschema
+
+    shapes = {}
+    for shape in SCHEMA["$defs"]["fromDriver"]["oneOf"]:
+        fields = shape["properties"]
+        if "event" in fields:
+            key = ("event", fields["event"]["const"])
+        elif "error" in fields:
+            key = ("error", None)
+        else:
+            key = ("result", fields["op"]["const"])
+        shapes[key] = jsonschema.Draft202012Validator(shape)
+    return shapes
+
+
+def output_data(message: Mapping[str, Any]) -> tuple[str, bytes]:
+    """An exec's ``output`` event: its stream and its bytes. ``ProtocolError`` naming the field.
+
+    The schema's rules for the event, checked here by hand: a command's output crosses in
+    these events, and the schema engine would take longer over one than decoding it.
+    """
+    extra = sorted(set(message) - {"id", "event", "stream", "data"})
+    if extra:
+        key, value = extra[0], message[extra[0]]
+        raise ProtocolError(f"{key} {shown(value)}: not a field of an output event", key, value)
+    stream, data = message.get("stream"), message.get("data")
+    if stream not in ("stdout", "stderr"):
+        raise ProtocolError(f"stream {shown(stream)}: not stdout or stderr", "stream", stream)
+    try:
+        if not isinstance(data, str):
+            raise TypeError("not a string")
+        # Strict decoding still takes padding past a whole group ("AAAA=", "AAAA===="): the
+        # schema's pattern does not.
+        if len(data) % 4 or data.endswith("==="):
+            raise ValueError("not whole groups of four characters")
+        return stream, binascii.a2b_base64(data, strict_mode=True)
+    except (TypeError, ValueError) as exc:  # binascii.Error is a ValueError
+        raise ProtocolError(
+            f"data {shown(data)}: not base64 (RFC 4648, padded): {exc}", "data", data
+        ) from None
 
 
 def error_of(exc: BaseException) -> dict[str, Any]:
@@ -106,6 +201,8 @@ def exec_error(error: Mapping[str, Any], what: str) -> SandboxExecError:
 # -- the schema ------------------------------------------------------------------------------
 
 _ID = {"type": "integer", "minimum": 1, "maximum": 2**53 - 1}
+BASE64: Final = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+"""An output event's ``data``: base64 (RFC 4648's alphabet, padded), nothing else."""
 _TEXT = {"type": "string", "minLength": 1}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _SESSION = {"type": "string", "pattern": "^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"}
@@ -277,7 +374,7 @@ SCHEMA: Final[dict[str, Any]] = {
                         "id": _ID,
                         "event": {"const": "output"},
                         "stream": {"enum": ["stdout", "stderr"]},
-                        "data": {"type": "string", "pattern": "^[A-Za-z0-9+/]*={0,2}$"},
+                        "data": {"type": "string", "pattern": BASE64},
                     }
                 ),
                 _message(
