@@ -456,6 +456,8 @@ def expect_refusal(
     return refused
 
 
+ENDED_TIMEOUT_S = 60.0
+"""How long a killed sandbox may take to be gone, on a loaded machine too."""
 Run = Callable[..., ExecResult]
 COMMAND_PATHS = ("exec", "exec_stream")
 """Every path to a command the contract has: kept, and streamed to descriptors."""

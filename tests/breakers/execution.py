@@ -1,7 +1,7 @@
 """Planted breakers of running a command in a sandbox: SANDBOX-EXEC-01, SANDBOX-ENV-01.
 
 Exit code, output, timeout and environment of ``exec`` and ``exec_stream``. Their tests: the
-exec and env tests of conformance/test_lifecycle.py.
+exec and env tests of conformance/test_exec.py.
 """
 
 from __future__ import annotations

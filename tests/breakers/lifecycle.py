@@ -1,7 +1,7 @@
 """Planted breakers of giving GPUs back: GPU-RELEASE-01, GPU-RECLAIM-01/02, SANDBOX-REAP-01.
 
 GPUs come back when a sandbox closes, dies or loses its creator, and reap leaves nothing of
-a session. Their tests: conformance/test_lifecycle.py.
+a session. Their tests: conformance/test_lifecycle.py and conformance/test_reap.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,226 @@
+"""Commands in a sandbox: their environment, exit code and output, their timeout, and the end."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from conformance.fixtures import SandboxFactory
+from conformance.observe import ENDED_TIMEOUT_S, Run, ways_to_run
+from conformance.settings import Settings
+from drivers.base import KEPT_BYTES, Driver
+from gpuhost.errors import ExecTimeout, SandboxExecError
+from gpuhost.spec import SandboxSpec, parse_spec
+from gpuhost.wait import wait_for
+
+LONG = 1 << 20
+"""A mebibyte on each stream: more than any pipe or stream buffer holds at once."""
+BEYOND = (1 << 20) + 12345
+"""How far past ``KEPT_BYTES`` a stream runs when exec must cut it: not a round size."""
+SPEC_ENV = {
+    "SPEC_PLAIN": "x",
+    "SPEC_SPACES": " a b  c ",
+    "SPEC_EQUALS": "k=v=w",
+    "SPEC_QUOTES": 'it\'s "q" $HOME `id` \\ ; *',
+    "SPEC_EMPTY": "",
+    # Variables a driver sets itself, or might drop or set "for safety": the spec's win.
+    "PATH": "/spec/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+    "HOME": "/spec-home",
+    "LANG": "C",
+    "LD_LIBRARY_PATH": "/spec/lib",
+    "CUDA_VISIBLE_DEVICES": "0",
+}
+"""Values a shell or a command line would change, were they passed through one unquoted, and
+variables a driver sets itself (the spec's values win)."""
+
+
+CREATOR_ONLY = (
+    "CUDA_CACHE_PATH", "CUDA_LAUNCH_BLOCKING", "NVIDIA_DRIVER_CAPABILITIES", "NCCL_DEBUG",
+    "TORCH_HOME", "CUPY_CACHE_DIR", "HF_TOKEN", "OMP_NUM_THREADS", "LD_GPU_SANDBOX_CANARY",
+    "PYTHONGPU_SANDBOX_CANARY", "TZ",
+)  # fmt: skip
+"""Variables set in the creating process only: GPU and framework knobs, a loader's and
+Python's prefixes, the time zone."""
+
+
+@pytest.mark.requirement("SANDBOX-ENV-01")
+def test_commands_see_the_specs_env_and_nothing_of_the_creators(
+    driver: Driver, sandboxes: SandboxFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command MUST see the spec's env exactly, and nothing of the creating process's env."""
+    canary = f"GPU_SANDBOX_CANARY_{time.time_ns()}"
+    # Under a name of its own, and under the names and prefixes a driver might forward "for
+    # the GPU" (CUDA's, NVIDIA's, NCCL's, the frameworks' knobs): none of it may reach inside.
+    for name in (canary, *CREATOR_ONLY):
+        monkeypatch.setenv(name, f"{canary}-{name}-a-secret-of-the-creating-process")
+    gpu_request: dict[str, Any] = {"resource_requirements": {"gpu": {}}}
+    for request in ({}, gpu_request):
+        spec = parse_spec({**request, "template": {"env": SPEC_ENV}})
+        sandbox = sandboxes(spec)
+        listing = sandbox.exec(["env"]).check().stdout
+        seen = dict(line.split("=", 1) for line in listing.splitlines() if "=" in line)
+        wrong = {k: seen.get(k) for k, v in SPEC_ENV.items() if seen.get(k) != v}
+        assert not wrong, f"the spec's env {SPEC_ENV} arrived as {wrong}"
+        leaked = [line for line in listing.splitlines() if canary in line]
+        assert not leaked, f"the creating process's variables are inside: {leaked}"
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
+    """Exec MUST return the command's exit code, stdout and stderr, whole; so MUST exec_stream."""
+    sandbox = sandboxes(SandboxSpec())
+    for way, run in ways_to_run(sandbox).items():
+        result = run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n"), way
+        # Byte for byte: carriage returns (progress bars, CRLF logs) are not newlines.
+        crlf = run(["sh", "-c", "printf 'o\\r\\nu\\rt'; printf 'e\\r\\nr\\rr' >&2"])
+        assert (crlf.stdout, crlf.stderr) == ("o\r\nu\rt", "e\r\nr\rr"), f"{way} rewrote it"
+        # Exit codes past 128 as the command gave them.
+        assert run(["sh", "-c", "exit 130"]).returncode == 130, way
+        # UTF-8 whole: "a" then 3000 two-byte characters, split at every 4 KiB boundary.
+        utf8 = "printf a; i=0; while [ $i -lt 3000 ]; do printf '\\303\\251'; i=$((i + 1)); done"
+        assert run(["sh", "-c", utf8]).stdout == "a" + "\u00e9" * 3000, f"{way} cut UTF-8"
+        # Long output, on both streams at once, comes back whole and apart.
+        script = f"head -c {LONG} /dev/zero | tr '\\0' o; head -c {LONG} /dev/zero | tr '\\0' e >&2"
+        long = run(["sh", "-c", script])
+        assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
+        assert set(long.stdout) == {"o"}, way
+        assert set(long.stderr) == {"e"}, way
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_keeps_each_stream_whole_up_to_the_bound_and_its_end_beyond(
+    sandboxes: SandboxFactory,
+) -> None:
+    """Exec MUST keep a stream whole to KEPT_BYTES, past it its end and the count cut."""
+    sandbox = sandboxes(SandboxSpec())
+    over = KEPT_BYTES + BEYOND
+    text = _numbered(over)  # where each byte sits shows in it: a head is not a tail
+    ways = ways_to_run(sandbox)
+    # One stream exactly at the bound, the other past it, in one command; then the other way
+    # round. exec_stream keeps nothing: its descriptors MUST get all of both (once is enough).
+    runs = [("exec", "stdout", "stderr"), ("exec", "stderr", "stdout")]
+    for way, at, past in [*runs, ("exec_stream", "stdout", "stderr")]:
+        script = f"{_NUMBERED} {_head(KEPT_BYTES)} >&{_FD[at]}; {_head(over)} >&{_FD[past]}"
+        result = ways[way](["sh", "-c", script], timeout=600)
+        assert result.returncode == 0, f"{way}: exit {result.returncode}"
+        got = {"stdout": result.stdout, "stderr": result.stderr}
+        cut = {"stdout": result.stdout_cut, "stderr": result.stderr_cut}
+        end, cut_past = (text[-KEPT_BYTES:], BEYOND) if way == "exec" else (text, 0)
+        for stream, want, want_cut in ((at, text[:KEPT_BYTES], 0), (past, end, cut_past)):
+            problem = _differs(got[stream], want)
+            assert not problem, f"{way}: {stream} ({len(want)} bytes due): {problem}"
+            assert cut[stream] == want_cut, (
+                f"{way} says {cut[stream]} bytes of {stream} were cut, not {want_cut}"
+            )
+
+
+_NUMBERED = "b=$(seq 20000);"
+"""The numbers to 20,000 a line each: 108,894 bytes, under the 128 KiB of one argument."""
+_FD = {"stdout": 1, "stderr": 2}
+
+
+def _head(size: int) -> str:
+    """A command writing the first ``size`` bytes of ``_numbered``'s text.
+
+    ``yes`` repeats the numbers in bulk: ``seq`` or a shell loop would take a minute in an
+    emulated VM.
+    """
+    return f'yes "$b" | head -c {size}'
+
+
+def _numbered(size: int) -> str:
+    """What ``_head(size)`` writes: the numbers to 20,000, a line each, again and again.
+
+    ``BEYOND`` is no multiple of their length: the end of the text is not its beginning.
+    """
+    block = "".join(f"{i}\n" for i in range(1, 20001))
+    assert BEYOND % len(block)
+    return (block * (size // len(block) + 1))[:size]
+
+
+def _differs(got: str, want: str) -> str:
+    """Where ``got`` is not ``want`` (both long), for a message; empty when it is."""
+    if got == want:
+        return ""
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if at is None:
+        return f"{len(got)} characters, the same as far as both go"
+    return (
+        f"{len(got)} characters, the first difference at {at}: "
+        f"{got[max(0, at - 20) : at + 20]!r} where {want[max(0, at - 20) : at + 20]!r} was due"
+    )
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_in_an_ended_sandbox_fails(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+) -> None:
+    """Exec MUST fail with SandboxExecError in a sandbox that was killed, or closed."""
+    sandbox = sandboxes(SandboxSpec())
+    sandbox.kill()
+    # How soon it ends is not this test's: GPU-RECLAIM-01 bounds that.
+    wait_for(
+        lambda: driver.sandboxes(driver.session_id),
+        lambda listed: sandbox.id not in listed,
+        timeout_s=max(settings.reclaim_timeout_s, ENDED_TIMEOUT_S),
+        what=f"killed sandbox {sandbox.id} to end",
+    )
+    for way, run in ways_to_run(sandbox).items():
+        _fails_to_run(run, f"{way} in killed sandbox {sandbox.id}")
+    sandbox.close()
+    for way, run in ways_to_run(sandbox).items():
+        _fails_to_run(run, f"{way} in closed sandbox {sandbox.id}")
+
+
+def _fails_to_run(run: Run, where: str) -> None:
+    """Not even `true` runs: a typed error, not an exit code of the engine's or nsenter's."""
+    __tracebackhide__ = True
+    try:
+        outcome = run(["true"])
+    except SandboxExecError:
+        return
+    pytest.fail(f"{where}: `true` ran ({outcome}); it must fail with SandboxExecError")
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_kills_a_command_past_its_timeout(sandboxes: SandboxFactory) -> None:
+    """Exec MUST kill a command past its timeout, with all it started; so MUST exec_stream."""
+    sandbox = sandboxes(SandboxSpec())
+    for number, (way, run) in enumerate(ways_to_run(sandbox).items()):
+        # Unique arguments find these processes later; one escapes into a session of its own.
+        # The command keeps printing for 12 s: the timeout bounds its whole run, not a silence.
+        marker = f"{60 + number + time.time_ns() % 1000 / 1000:.3f}"
+        chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
+        # Deaf to every signal it may ignore, as are its children: only SIGKILL ends them.
+        script = f"trap '' HUP INT QUIT TERM; setsid sleep {marker} & {chatty}"
+        with ThreadPoolExecutor(1) as pool:
+            # Another command of the sandbox, running meanwhile, is not the timeout's to kill.
+            # (It ends by itself: a driver may run a sandbox's commands one after the other.)
+            neighbour = pool.submit(run, ["sh", "-c", "sleep 2; echo survived"], timeout=60)
+            start = time.monotonic()
+            with pytest.raises(ExecTimeout):  # under a second: a fraction is a timeout too
+                run(["sh", "-c", script], timeout=0.5)
+            assert time.monotonic() - start < 10, f"{way} let the command run past its timeout"
+            # One that would end by itself, past its timeout but well within that bound: a
+            # timeout is not raised to a floor of the driver's.
+            with pytest.raises(ExecTimeout):
+                run(["sleep", "3"], timeout=0.5)
+            beside = neighbour.result()
+        assert (beside.returncode, beside.stdout.strip()) == (0, "survived"), (
+            f"a command running beside the one that timed out ({way}) was ended too: {beside}"
+        )
+        # A zombie's cmdline is empty: only processes still running are listed.
+        listing = (
+            "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done 2>/dev/null; true"
+        )
+        survivors = [
+            line
+            for line in sandbox.exec(["sh", "-c", listing]).stdout.splitlines()
+            if f"sleep {marker}" in line
+        ]
+        assert not survivors, f"the timed-out command ({way}) left processes running: {survivors}"
+        assert sandbox.exec(["true"]).returncode == 0
