@@ -4,15 +4,21 @@ Every command runs in a process group of its own, under its timeout: at expiry t
 gets SIGTERM, then SIGKILL, and the suite's typed error is raised. Its environment is fixed
 (``command_env``): the host's ``PATH`` and ``LANG``, and of the caller's variables only
 those the manifest names in ``passEnv``; never the rest of the caller's (an
-``LD_PRELOAD``, a ``PATH`` of theirs, credentials of other tools).
+``LD_PRELOAD``, a ``PATH`` of theirs, credentials of other tools). It runs in an empty
+directory of this process's own (``empty_dir``), never the caller's: a value that a CLI
+reads as a relative path (an image ``Dockerfile``, ``build/``) names nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from drivers.host_process import HOST_ENV
@@ -22,6 +28,14 @@ from gpuhost.procfs import kill_marked
 PIPE = subprocess.PIPE
 TERM_GRACE_S = 2.0
 """How long a timed-out command's process group has between SIGTERM and SIGKILL."""
+
+
+@functools.cache
+def empty_dir() -> str:
+    """An empty directory only this user may enter, made once per process, removed at exit."""
+    path = tempfile.mkdtemp(prefix="gpu-sandbox-cwd-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def command_env(
@@ -67,10 +81,13 @@ def spawn(
     stderr: int = PIPE,
     stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
-    """``argv`` started in a process group of its own, no stdin, with ``env`` and no other."""
+    """``argv`` started in a process group of its own, no stdin, with ``env`` and no other.
+
+    Its working directory is ``empty_dir()``.
+    """
     return subprocess.Popen(
         list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
-        start_new_session=True, env=dict(env),
+        start_new_session=True, env=dict(env), cwd=empty_dir(),
     )  # fmt: skip
 
 

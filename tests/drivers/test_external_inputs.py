@@ -382,4 +382,4 @@ def test_the_commands_image_flag_is_held_to_the_same_rule() -> None:
     )  # fmt: skip
     assert done.returncode == 2, done
     assert "(InvalidGpuRequest at template.image)" in done.stderr
-    assert "must not begin with '-'" in done.stderr
+    assert "is not an image reference" in done.stderr  # --from's rule in the manifest's limits
