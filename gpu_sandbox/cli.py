@@ -6,8 +6,10 @@
     gpu-sandbox gpus [--driver D]... [--json | --node-annotation]
     gpu-sandbox reap SESSION [--driver D]...
 
-GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID``
-(repeatable), ``--driver-config-json JSON|@FILE``; ``gpu_sandbox.flags`` maps them to the
+GPU flags: ``--gpu`` (``--gpu N``, ``--gpu=N``: a count, as OpenShell's CLI takes it),
+``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID`` (repeatable),
+``--driver-config-json JSON|@FILE``; ``gpu_sandbox.options`` reads them, ``gpu_sandbox.flags``
+maps them to the
 request, in seed 003's shape. ``--request`` takes a whole request instead, as a gateway
 receives it; no flag that builds a request may stand beside it.
 Every command takes ``--sim-root DIR`` (a simulated GPU host) and ``--gpu-state-dir DIR``
@@ -41,7 +43,6 @@ from gpuhost.errors import FIELD_LIMIT, PATH_LIMIT, named, shown
 
 if TYPE_CHECKING:
     from drivers.base import Driver
-    from gpu_sandbox.inventory import Inventory
     from gpuhost.errors import RequestError
     from gpuhost.host import GpuHost
     from gpuhost.spec import DriverRequest, GpuPlan
@@ -276,7 +277,7 @@ def _describe_plan(plan: dict[str, Any] | None) -> str:
 
 
 def gpus_command(args: argparse.Namespace) -> int:
-    from gpu_sandbox.inventory import take
+    from gpu_sandbox.inventory import take, text
 
     if args.node_annotation:
         from gpuhost.devices import gpus_to_json
@@ -293,53 +294,9 @@ def gpus_command(args: argparse.Namespace) -> int:
     if args.json:
         _print(json.dumps(inventory.to_json(), indent=2))
     else:
-        for line in _gpus_text(inventory):
+        for line in text(inventory):
             _print(line)
     return 0
-
-
-def _gpus_text(inventory: Inventory) -> list[str]:
-    from gpu_sandbox.inventory import holder_text, label, since
-
-    lines = [f"GPU host: {inventory.host}"]
-    lines += [f"  {source.describe()}" for source in inventory.sources]
-    if inventory.leases_error:
-        lines.append(f"  lease registry: {inventory.leases_error}")
-    rows = []
-    for device in inventory.devices:
-        held = "; ".join(
-            f"{lease.driver} sandbox {lease.sandbox_id} session {lease.session_id} "
-            f"{holder_text(lease)} since {since(lease)}"
-            + (" (shared)" if lease.mode == "shared" else "")
-            for lease in inventory.holders(device)
-        )
-        name = device.name if not device.is_mig else f"MIG {device.profile}"
-        rows.append([label(device), device.uuid, device.pci_bus_id, name, held or "free"])
-    if rows:
-        lines += ["", *table(["DEVICE", "UUID", "PCI", "MODEL", "HELD BY"], rows)]
-    id_rows = [
-        [label(device), name, " ".join(ids.ids[device.uuid])]
-        for device in inventory.devices
-        for name, ids in inventory.drivers.items()
-        if ids.ids.get(device.uuid)
-    ]
-    if id_rows:
-        lines += ["", *table(["DEVICE", "DRIVER", "EXACT IDS (gpu_device_ids)"], id_rows)]
-    for name, ids in inventory.drivers.items():
-        if ids.note:
-            lines.append(f"{name}: {ids.note}")
-    for gpu in inventory.unused_pci:
-        lines.append(f"on the PCI bus, handed out by no driver: {gpu.pci_bus_id} {gpu.name}")
-    return lines
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Columns as wide as their widest cell, two spaces apart."""
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in [headers, *rows]
-    ]
 
 
 # -- reap ----------------------------------------------------------------------------------
