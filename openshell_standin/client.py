@@ -63,6 +63,7 @@ def with_launcher(manifest: Path, dest: Path) -> Path:
     """
     text = manifest.read_text()
     text = text.replace("- openshell\n", f"- {LAUNCHER}\n").replace("[openshell,", f"[{LAUNCHER},")
+    text = text.replace(" openshell sandbox ", f" {LAUNCHER} sandbox ")  # in an sh -c script
     dest.write_text(text)
     return dest
 
