@@ -37,6 +37,9 @@ EXAMPLE_JSONL = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 PODMAN_CLI_FAILS = {"GPU-RECLAIM-02", "GPU-SHARED-02"}
 """What the podman CLI fails with the adapter leasing its GPUs (docs/external-drivers.md):
 a `podman run -d` container outlives the process that created it, with its GPUs."""
+PODMAN_CLI_PARTIAL = {"SANDBOX-PEER-01"}
+"""What it passes with a case not tried: the kernel keyring's needs python3 in the sandbox,
+which its busybox image lacks (conformance/test_peers.py)."""
 
 
 def sh_manifest(state: Path, **changes: Any) -> dict[str, Any]:
@@ -347,7 +350,9 @@ def test_the_podman_cli_fails_the_catalogue_exactly_where_its_containers_outlive
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
     failed = {req for req in golden_ids() if verdicts[req] == "failed"}
     assert failed == PODMAN_CLI_FAILS, verdicts
-    assert {verdicts[req] for req in golden_ids() - failed} <= {"passed", "not applicable"}
+    assert {req for req in golden_ids() if verdicts[req] == "partial"} == PODMAN_CLI_PARTIAL
+    rest = golden_ids() - failed - PODMAN_CLI_PARTIAL
+    assert {verdicts[req] for req in rest} <= {"passed", "not applicable"}, verdicts
 
 
 def test_two_manifests_are_two_drivers_side_by_side(tmp_path: Path, host: GpuHost) -> None:
