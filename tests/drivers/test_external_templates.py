@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from drivers.external import driver_class
 from drivers.external.limits import check, is_image_reference
 from drivers.external.manifest import ManifestError, parse
+from drivers.external.process import empty_dir
 from drivers.external.stderr import one_line, says_gone, typed_error
 from drivers.external.templates import CreateRequest, LimitBroken, render_create
 from drivers.external.validate import main as validate
@@ -294,6 +296,38 @@ def test_commands_run_in_an_empty_directory_of_their_own(tmp_path: Path, host: G
     assert where != os.getcwd()
     assert os.stat(where).st_uid == os.getuid()
     assert os.stat(where).st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("planted", ["a file in it", "open to all", "another user's", "a link"])
+def test_a_planted_shared_empty_directory_is_never_the_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """gpu-sandbox-empty-<uid> in the temporary directory: used only when it is still that."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    empty_dir.cache_clear()
+    shared = tmp_path / f"gpu-sandbox-empty-{os.getuid()}"
+    try:
+        assert empty_dir() == str(shared)  # made, empty, this user's, 0500
+        empty_dir.cache_clear()
+        if planted == "a link":
+            shared.rmdir()
+            (tmp_path / "elsewhere").mkdir(mode=0o700)
+            shared.symlink_to(tmp_path / "elsewhere")
+        elif planted == "a file in it":
+            shared.chmod(0o700)
+            (shared / "Dockerfile").write_text("FROM scratch\n")
+        elif planted == "open to all":
+            shared.chmod(0o777)
+        else:
+            if os.getuid() != 0:
+                pytest.skip("needs root to give the directory to another user")
+            os.chown(shared, 65534, 65534)
+        chosen = empty_dir()
+        assert chosen != str(shared)
+        assert os.listdir(chosen) == []
+        assert os.stat(chosen).st_uid == os.getuid()
+    finally:
+        empty_dir.cache_clear()
 
 
 @pytest.mark.parametrize(
