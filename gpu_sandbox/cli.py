@@ -6,8 +6,10 @@
     gpu-sandbox gpus [--driver D]... [--json | --node-annotation]
     gpu-sandbox reap SESSION [--driver D]...
 
-GPU flags: ``--gpu``, ``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID``
-(repeatable), ``--driver-config-json JSON|@FILE``; ``gpu_sandbox.flags`` maps them to the
+GPU flags: ``--gpu`` (``--gpu N``, ``--gpu=N``: a count, as OpenShell's CLI takes it),
+``--gpu-count N``, ``--gpu-sharing MODE``, ``--gpu-device ID`` (repeatable),
+``--driver-config-json JSON|@FILE``; ``gpu_sandbox.options`` reads them, ``gpu_sandbox.flags``
+maps them to the
 request, in seed 003's shape. ``--request`` takes a whole request instead, as a gateway
 receives it; no flag that builds a request may stand beside it.
 Every command takes ``--sim-root DIR`` (a simulated GPU host) and ``--gpu-state-dir DIR``
@@ -28,53 +30,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from gpu_sandbox.flags import GpuFlags, flag_of, flag_text, spec_dict
+from gpu_sandbox.options import DEFAULT_REQUEST, EXIT_USAGE, NO_TIMEOUT_S, PROG, parser
 from gpuhost.errors import FIELD_LIMIT, PATH_LIMIT, named, shown
-from gpuhost.requestjson import MAX_INT_DIGITS
 
 if TYPE_CHECKING:
     from drivers.base import Driver
-    from gpu_sandbox.inventory import Inventory
     from gpuhost.errors import RequestError
     from gpuhost.host import GpuHost
     from gpuhost.spec import DriverRequest, GpuPlan
 
-PROG = "gpu-sandbox"
-DEFAULT_DRIVER = "reference"
 DEFAULT_COMMAND = ("nvidia-smi", "-L")
-NO_TIMEOUT_S = 20 * 24 * 3600.0
-"""``run`` without ``--timeout``: a command run by hand runs as long as its user wants, and
-Ctrl-C ends it. The drivers take a number: 20 days is below poll(2)'s maximum (24.8 days),
-through which a driver may wait for the command's output."""
-EXIT_USAGE, EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 2, 124, 125, 126
-_INTEGER = re.compile(r"-?[0-9]+")
-_SECONDS = re.compile(r"[0-9]{1,7}(\.[0-9]{1,9})?")
+EXIT_TIMEOUT, EXIT_NOT_CREATED, EXIT_NOT_RUN = 124, 125, 126
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-EPILOG = """\
-GPU flags (run, spec), and the request each one makes (seed 003's shape):
-  --gpu                    resource_requirements.gpu = {} (the default request)
-  --gpu-count N            resource_requirements.gpu.count = N
-  --gpu-sharing MODE       resource_requirements.gpu.sharing = MODE (exclusive, shared)
-  --gpu-device ID          template.driver_config.<driver>.gpu_device_ids += [ID], and GPU
-                           intent; the count is the number of unique IDs unless --gpu-count
-  --driver-config-json B   template.driver_config = B when B's keys are all driver names
-                           (the envelope), else template.driver_config.<driver> = B (JSON,
-                           or @FILE)
-  --image I, --env K=V     template.image, template.env
-  --request FILE|-         the whole request, as JSON (- for stdin); no flag above with it
-The driver is handed only its own block of template.driver_config; the others are ignored.
-
-exit status of run: the command's own; 2 bad flags or a refused request (nothing was
-created); 124 timeout; 125 no sandbox (the driver cannot run here, the GPUs are taken);
-126 the command could not be run; 128+N after signal N (the sandbox is closed)."""
 
 
 class CommandError(Exception):
@@ -93,14 +68,10 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line, as every other refusal of the command, instead of the usage first."""
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    top = parser()
+    top = parser(
+        {"run": run_command, "spec": spec_command, "gpus": gpus_command, "reap": reap_command}
+    )
     args, extra = top.parse_known_args(argv)
     if extra:
         hint = " (put -- before the command to run)" if args.command is run_command else ""
@@ -113,149 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.status
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-
-
-def parser() -> argparse.ArgumentParser:
-    host = _Parser(add_help=False)
-    group = host.add_argument_group("the GPU host")
-    group.add_argument(
-        "--sim-root",
-        type=Path,
-        metavar="DIR",
-        help="the simulated GPU host under DIR (python -m gpuhost.simulated setup)",
-    )
-    group.add_argument(
-        "--gpu-state-dir",
-        type=Path,
-        metavar="DIR",
-        help="where the host-wide lease registry lives (default: /run/gpu-sandbox, or "
-        "$GPU_SANDBOX_STATE_DIR; a simulated host's own)",
-    )
-
-    request = _Parser(add_help=False)
-    group = request.add_argument_group("the request")
-    group.add_argument(
-        "--driver",
-        default=DEFAULT_DRIVER,
-        metavar="NAME|module:Class",
-        help=f"a built-in driver or an import path (default: {DEFAULT_DRIVER})",
-    )
-    group.add_argument("--gpu", action="store_true", help="the driver's default GPU request")
-    group.add_argument("--gpu-count", type=_count, metavar="N", help="N GPUs")
-    group.add_argument(
-        "--gpu-sharing",
-        metavar="MODE",
-        help="exclusive (the default: no other sandbox on the GPU) or shared (co-held with "
-        "other shared sandboxes); GPU intent",
-    )
-    group.add_argument(
-        "--gpu-device",
-        action="append",
-        default=[],
-        metavar="ID",
-        help="exactly this device, by the driver's native ID (repeatable); the count is "
-        "the number of unique IDs unless --gpu-count is given",
-    )
-    group.add_argument(
-        "--driver-config-json",
-        metavar="JSON|@FILE",
-        help="template.driver_config as JSON or from FILE: the envelope (keys are driver "
-        "names) or the active driver's block; IDs in it need --gpu or --gpu-count, and "
-        "cannot be given with --gpu-device too",
-    )
-    group.add_argument("--image", help="the image, for drivers that take one")
-    group.add_argument(
-        "--env", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)"
-    )
-    group.add_argument(
-        "--request",
-        metavar="FILE|-",
-        help="the whole request as JSON, as a gateway receives it (- reads stdin); the flags "
-        "that build a request cannot be given beside it",
-    )
-
-    top = _Parser(
-        prog=PROG,
-        description="Try a GPU request on a driver by hand: run a command in a sandbox, see\n"
-        "the spec the flags make, list the host's GPUs and who holds them, clean up a session.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = top.add_subparsers(title="commands", required=True, metavar="COMMAND")
-
-    run = commands.add_parser(
-        "run",
-        parents=[request, host],
-        help="create a sandbox, run a command in it, close it",
-        description="Create a sandbox, run CMD in it with its output streamed, exit with "
-        "its exit status, and close the sandbox, on Ctrl-C too. CMD defaults to "
-        "nvidia-smi -L.",
-    )
-    run.add_argument(
-        "--session",
-        help="the session id stamped on the sandbox (default: a new one), for "
-        "gpu-sandbox reap after a crash",
-    )
-    run.add_argument(
-        "--timeout", type=_seconds, metavar="SECONDS", help="kill CMD after SECONDS (exit 124)"
-    )
-    run.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command and its arguments")
-    run.set_defaults(command=run_command)
-
-    spec = commands.add_parser(
-        "spec",
-        parents=[request, host],
-        help="print the spec the flags make and the driver's verdict",
-        description="Print the request spec the flags make, and what the driver's "
-        "validation says of it: valid (and the GPUs exact IDs name here), or the typed "
-        "error with its field. Exits 2 when the driver refuses it. Creates nothing.",
-    )
-    spec.add_argument("--json", action="store_true", help="one JSON object")
-    spec.set_defaults(command=spec_command)
-
-    gpus = commands.add_parser(
-        "gpus",
-        parents=[host],
-        help="the host's GPUs, each driver's IDs for them, and who holds them",
-        description="The host's GPUs (what each discovery source finds, or the simulated "
-        "host): index, UUID, PCI address, the exact IDs each registered driver takes for "
-        "each (without asking any engine), and who holds it now (the lease registry).",
-    )
-    gpus.add_argument("--json", action="store_true", help="one JSON object")
-    gpus.add_argument(
-        "--driver",
-        action="append",
-        default=[],
-        metavar="NAME|module:Class",
-        help="list this driver's exact IDs only (repeatable, or comma-separated); a driver "
-        "of your own by its import path",
-    )
-    gpus.add_argument(
-        "--node-annotation",
-        action="store_true",
-        help="the value of the kubernetes driver's node annotation gpu-sandbox.dev/gpus for "
-        "this host's whole NVIDIA GPUs (README: The kubernetes driver)",
-    )
-    gpus.set_defaults(command=gpus_command)
-
-    reap = commands.add_parser(
-        "reap",
-        parents=[host],
-        help="remove every sandbox and lease of a session (pytest --reap)",
-        description="Remove every sandbox and GPU lease SESSION left, with every built-in "
-        "driver or those named. A named driver that cannot reap is an error (exit 1).",
-    )
-    reap.add_argument("session", metavar="SESSION")
-    reap.add_argument(
-        "--driver",
-        action="append",
-        default=[],
-        metavar="NAME|module:Class",
-        help="reap with this driver only (repeatable, or comma-separated)",
-    )
-    reap.add_argument("--image", help="the image, for drivers that take one")
-    reap.set_defaults(command=reap_command)
-    return top
 
 
 # -- run -----------------------------------------------------------------------------------
@@ -449,7 +277,7 @@ def _describe_plan(plan: dict[str, Any] | None) -> str:
 
 
 def gpus_command(args: argparse.Namespace) -> int:
-    from gpu_sandbox.inventory import take
+    from gpu_sandbox.inventory import take, text
 
     if args.node_annotation:
         from gpuhost.devices import gpus_to_json
@@ -466,53 +294,9 @@ def gpus_command(args: argparse.Namespace) -> int:
     if args.json:
         _print(json.dumps(inventory.to_json(), indent=2))
     else:
-        for line in _gpus_text(inventory):
+        for line in text(inventory):
             _print(line)
     return 0
-
-
-def _gpus_text(inventory: Inventory) -> list[str]:
-    from gpu_sandbox.inventory import holder_text, label, since
-
-    lines = [f"GPU host: {inventory.host}"]
-    lines += [f"  {source.describe()}" for source in inventory.sources]
-    if inventory.leases_error:
-        lines.append(f"  lease registry: {inventory.leases_error}")
-    rows = []
-    for device in inventory.devices:
-        held = "; ".join(
-            f"{lease.driver} sandbox {lease.sandbox_id} session {lease.session_id} "
-            f"{holder_text(lease)} since {since(lease)}"
-            + (" (shared)" if lease.mode == "shared" else "")
-            for lease in inventory.holders(device)
-        )
-        name = device.name if not device.is_mig else f"MIG {device.profile}"
-        rows.append([label(device), device.uuid, device.pci_bus_id, name, held or "free"])
-    if rows:
-        lines += ["", *table(["DEVICE", "UUID", "PCI", "MODEL", "HELD BY"], rows)]
-    id_rows = [
-        [label(device), name, " ".join(ids.ids[device.uuid])]
-        for device in inventory.devices
-        for name, ids in inventory.drivers.items()
-        if ids.ids.get(device.uuid)
-    ]
-    if id_rows:
-        lines += ["", *table(["DEVICE", "DRIVER", "EXACT IDS (gpu_device_ids)"], id_rows)]
-    for name, ids in inventory.drivers.items():
-        if ids.note:
-            lines.append(f"{name}: {ids.note}")
-    for gpu in inventory.unused_pci:
-        lines.append(f"on the PCI bus, handed out by no driver: {gpu.pci_bus_id} {gpu.name}")
-    return lines
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Columns as wide as their widest cell, two spaces apart."""
-    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in [headers, *rows]
-    ]
 
 
 # -- reap ----------------------------------------------------------------------------------
@@ -559,33 +343,23 @@ def _driver_class(name: str) -> type[Driver]:
         raise CommandError(f"{flag_text('--driver', name)}: {exc}", EXIT_USAGE) from None
 
 
-def _count(text: str) -> int:
-    """``--gpu-count``: an integer in ASCII digits, as JSON writes it (no ``1_0``, no ``٣``)."""
-    if not _INTEGER.fullmatch(text) or len(text) > MAX_INT_DIGITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid int value: {shown(text)} (a count is written in ASCII digits, e.g. 2)"
-        )
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    """``--timeout``: seconds in ASCII digits, over 0 and at most ``NO_TIMEOUT_S``."""
-    if _SECONDS.fullmatch(text) and 0 < (seconds := float(text)) <= NO_TIMEOUT_S:
-        return seconds
-    raise argparse.ArgumentTypeError(
-        f"invalid value: {shown(text)} (seconds in ASCII digits, over 0 and at most "
-        f"{NO_TIMEOUT_S:g}, e.g. 30 or 2.5)"
-    )
-
-
 def _flags(args: argparse.Namespace) -> GpuFlags:
     config = args.driver_config_json
     text = config
     if config is not None and config.startswith("@"):
         text = _read_text(Path(config[1:]), flag_text("--driver-config-json", config, PATH_LIMIT))
+    count, count_flag = args.gpu_count, "--gpu-count"
+    if isinstance(args.gpu, int) and args.gpu is not DEFAULT_REQUEST:
+        if count is not None and count != args.gpu:
+            raise CommandError(
+                f"--gpu={args.gpu} and --gpu-count={count} both give the count: give it once",
+                EXIT_USAGE,
+            )
+        count, count_flag = args.gpu, "--gpu"
     flags = GpuFlags(
-        gpu=args.gpu,
-        gpu_count=args.gpu_count,
+        gpu=args.gpu is not None,
+        gpu_count=count,
+        count_flag=count_flag,
         gpu_sharing=args.gpu_sharing,
         gpu_devices=tuple(args.gpu_device),
         driver_config_json=text,

@@ -1,8 +1,9 @@
 """The command line's GPU flags as a request, in seed 003's shape: one pure mapping.
 
 - ``--gpu``: a GPU request with no count, the driver's default request (one free GPU);
-- ``--gpu-count N``: ``resource_requirements.gpu.count`` is N, as given: 0 or -1 is the
-  request model's to refuse, with its own message;
+- ``--gpu N`` or ``--gpu=N`` (OpenShell's CLI since v0.0.69), and the seeds' ``--gpu-count
+  N``: ``resource_requirements.gpu.count`` is N, as given: 0 or -1 is the request model's
+  to refuse, with its own message (``count_flag`` says which flag gave it);
 - ``--gpu-sharing MODE``: ``resource_requirements.gpu.sharing`` (``exclusive``, the default,
   or ``shared``), and GPU intent: the per-request answer to seed 000's open question;
 - ``--gpu-device ID`` (repeatable): GPU intent; the IDs, as given and in order, go into
@@ -61,6 +62,8 @@ class GpuFlags:
 
     gpu: bool = False
     gpu_count: int | None = None
+    count_flag: str = "--gpu-count"
+    """The flag that gave ``gpu_count``: ``--gpu-count``, or ``--gpu`` (``--gpu=N``)."""
     gpu_sharing: str | None = None
     gpu_devices: tuple[str, ...] = ()
     driver_config_json: str | None = None
@@ -132,12 +135,12 @@ def flag_of(
     config = flag_text("--driver-config-json", flags.driver_config_arg or flags.driver_config_json)
     if field == "resource_requirements.gpu.count":
         if flags.gpu_count is not None:
-            return _count_flag(flags.gpu_count)
+            return _count_flag(flags.count_flag, flags.gpu_count)
         return devices or "--gpu"
     if field == "resource_requirements.gpu.sharing":
         return flag_text("--gpu-sharing", flags.gpu_sharing)
     if isinstance(error, GpuCountMismatch) and flags.gpu_count is not None:
-        return f"{_count_flag(flags.gpu_count)} {devices or config}"
+        return f"{_count_flag(flags.count_flag, flags.gpu_count)} {devices or config}"
     if field in ids_fields and flags.gpu_devices:
         device = error.value if isinstance(error.value, str) else None
         if device in flags.gpu_devices:
@@ -213,8 +216,8 @@ def flag_text(flag: str, value: str | None, limit: int = SHOWN_LIMIT) -> str:
     return f"{flag}={shlex.quote(value) if text == value else text}"
 
 
-def _count_flag(count: int) -> str:
+def _count_flag(flag: str, count: int) -> str:
     # str() refuses integers of more than 4,300 digits.
     if count.bit_length() > 14_000:
-        return f"--gpu-count={shown(count)}"
-    return flag_text("--gpu-count", str(count))
+        return f"{flag}={shown(count)}"
+    return flag_text(flag, str(count))

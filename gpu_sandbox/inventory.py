@@ -207,3 +207,46 @@ def _empty_host(config: HostConfig) -> GpuHost:
 
     registry = LeaseRegistry(config.state_directory() / "leases")
     return GpuHost(config=config, gpus=(), control_nodes=(), leases=registry)
+
+
+def text(inventory: Inventory) -> list[str]:
+    """The listing of ``gpu-sandbox gpus``: the sources, the GPUs and their holders, the IDs."""
+    lines = [f"GPU host: {inventory.host}"]
+    lines += [f"  {source.describe()}" for source in inventory.sources]
+    if inventory.leases_error:
+        lines.append(f"  lease registry: {inventory.leases_error}")
+    rows = []
+    for device in inventory.devices:
+        held = "; ".join(
+            f"{lease.driver} sandbox {lease.sandbox_id} session {lease.session_id} "
+            f"{holder_text(lease)} since {since(lease)}"
+            + (" (shared)" if lease.mode == "shared" else "")
+            for lease in inventory.holders(device)
+        )
+        name = device.name if not device.is_mig else f"MIG {device.profile}"
+        rows.append([label(device), device.uuid, device.pci_bus_id, name, held or "free"])
+    if rows:
+        lines += ["", *table(["DEVICE", "UUID", "PCI", "MODEL", "HELD BY"], rows)]
+    id_rows = [
+        [label(device), name, " ".join(ids.ids[device.uuid])]
+        for device in inventory.devices
+        for name, ids in inventory.drivers.items()
+        if ids.ids.get(device.uuid)
+    ]
+    if id_rows:
+        lines += ["", *table(["DEVICE", "DRIVER", "EXACT IDS (gpu_device_ids)"], id_rows)]
+    for name, ids in inventory.drivers.items():
+        if ids.note:
+            lines.append(f"{name}: {ids.note}")
+    for gpu in inventory.unused_pci:
+        lines.append(f"on the PCI bus, handed out by no driver: {gpu.pci_bus_id} {gpu.name}")
+    return lines
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]

@@ -19,7 +19,6 @@ from pathlib import Path
 from drivers.reference import ReferenceDriver
 from gpuhost.host import GpuHost, HostConfig
 from openshell_standin import tls
-from openshell_standin.gateway import Gateway, serve
 from openshell_standin.rules import DRIVER_KEYS
 from openshell_standin.stubs import StubsMissing, load_api
 
@@ -58,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default=DEFAULT_NAME, help="the gateway's name (%(default)s)")
     parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (default: any)")
     args = parser.parse_args(argv)
+    # Its sandboxes' processes are forked from this multi-threaded gRPC server: gRPC's fork
+    # handlers must stay out of it (in a child between fork and exec they logged "epoll_wait
+    # error" into a command's stderr). Read when grpc is first imported, below.
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+    from openshell_standin.gateway import Gateway, serve
+
     try:
         api = load_api()
     except StubsMissing as exc:

@@ -55,6 +55,19 @@ class RunningGateway:
         )
 
 
+def with_launcher(manifest: Path, dest: Path) -> Path:
+    """A copy of ``manifest`` at ``dest`` whose ``openshell`` program is the launcher's path.
+
+    A manifest's commands get the host's fixed PATH (drivers.external.process), where the
+    CLI that scripts/openshell.sh installed is not.
+    """
+    text = manifest.read_text()
+    text = text.replace("- openshell\n", f"- {LAUNCHER}\n").replace("[openshell,", f"[{LAUNCHER},")
+    text = text.replace(" openshell sandbox ", f" {LAUNCHER} sandbox ")  # in an sh -c script
+    dest.write_text(text)
+    return dest
+
+
 def read_env(path: Path) -> dict[str, str]:
     lines = path.read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if line)
@@ -62,13 +75,21 @@ def read_env(path: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running(
-    state: Path, sim_root: Path | None = None, driver: str = "docker", args: Sequence[str] = ()
+    state: Path,
+    sim_root: Path | None = None,
+    driver: str = "docker",
+    args: Sequence[str] = (),
+    log_path: Path | None = None,
 ) -> Iterator[RunningGateway]:
-    """A stand-in gateway for the ``with`` block: ``state`` must not exist yet."""
+    """A stand-in gateway for the ``with`` block: ``state`` must not exist yet.
+
+    Its stderr goes to ``log_path`` when given (created; it must not exist).
+    """
     argv = [sys.executable, "-m", "openshell_standin", f"--state-dir={state}", f"--driver={driver}"]
     if sim_root is not None:
         argv.append(f"--sim-root={sim_root}")
-    with tempfile.TemporaryFile() as log:
+    opened = open(log_path, "xb+") if log_path is not None else tempfile.TemporaryFile()  # noqa: SIM115
+    with opened as log:
         process = subprocess.Popen(
             [*argv, *args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log
         )

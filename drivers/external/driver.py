@@ -32,7 +32,14 @@ from drivers.external.process import (
 )
 from drivers.external.process import ExternalDriverError as ExternalDriverError
 from drivers.external.process import OperationTimedOut as OperationTimedOut
-from drivers.external.templates import CreateRequest, OptionLike, render, render_create
+from drivers.external.stderr import says_gone, typed_error
+from drivers.external.templates import (
+    CreateRequest,
+    OptionLike,
+    RefusedValue,
+    render,
+    render_create,
+)
 from gpuhost.devices import CDI_KIND, GpuDevice
 from gpuhost.errors import (
     InvalidDriverConfig,
@@ -98,8 +105,10 @@ class ExternalDriver(Driver):
     def operation(self, op: str, what: str, **more: str) -> subprocess.CompletedProcess[bytes]:
         """Run the template ``op`` with ``more`` variables, under its timeout."""
         try:
-            argv = render(self.manifest.templates[op], self.values(**more))
-        except OptionLike as exc:
+            argv = render(
+                self.manifest.templates[op], self.values(**more), limits=self.manifest.limits
+            )
+        except RefusedValue as exc:
             raise ExternalDriverError(f"{self.name} {what}: {exc}") from exc
         return run_operation(argv, self.manifest.timeouts[op], f"{self.name} {what}", env=self.env)
 
@@ -224,16 +233,18 @@ class ExternalDriver(Driver):
                 for i, device_id in enumerate(plan.device_ids if plan is not None else ())
             )
             gpu = plan.count if plan is not None and not plan.device_ids else None
-        count = request.gpu.count if request.gpu is not None else None
+        given = request.gpu.count if request.gpu is not None else None
+        named = plan is not None and bool(plan.device_ids)
+        count = len(devices) if devices else (plan.count if plan and given is not None else None)
         return CreateRequest(
             image=request.image or self.image or self.manifest.default_image or "",
-            count=plan.count if plan is not None and count is not None else None,
+            count=count,
             gpu=gpu,
+            default_gpu=plan is not None and given is None and not named,
             devices=devices,
             dri_nodes=nodes if "dri_node" in self.manifest.fragments else (),
             tool_mounts=mounts,
             shared=plan is not None and plan.sharing == SHARED,
-            image_set=request.image is not None,
             env=dict(request.env),
             mig_profile=plan.mig_profile if plan is not None else None,
             vendor=plan.vendor if plan is not None else None,
@@ -241,30 +252,33 @@ class ExternalDriver(Driver):
         )
 
     def create_argv(self, launch: Launch) -> list[str]:
-        """The create template's argv; a value that would be read as an option is refused.
+        """The create template's argv; a value the CLI must not be given is refused.
 
-        A value of the request, ``--image`` or the user's device IDs is an
-        ``InvalidGpuRequest`` naming its field; one of the driver's own (an inventory's ID),
-        a ``SandboxStartError``.
+        A value of the request, ``--image`` or the user's device IDs that would be read as an
+        option, or that breaks the manifest's ``limits``, is an ``InvalidGpuRequest`` naming
+        its field; one of the driver's own (an inventory's ID, a name made of the session
+        id), a ``SandboxStartError``.
         """
         request = self.create_request(launch)
         try:
             return render_create(self.manifest, request, self.values(sandbox_id=launch.sandbox_id))
-        except OptionLike as exc:
+        except RefusedValue as exc:
             field = self.field_of(exc, launch)
             if not field:
                 raise SandboxStartError(f"{self.name} create: {exc}") from exc
             error = (
                 InvalidDriverConfig if field.startswith("template.driver_") else InvalidGpuRequest
             )
-            raise error(
-                field, exc.value,
-                f"{field} must not begin with '-' where {self.name}'s create template puts it "
-                f"at the start of an argv word ({shown(exc.element)}, before any '--'): the CLI "
-                f"would read it as an option; got {shown(exc.value)}",
-            ) from exc  # fmt: skip
+            problem = (
+                f"must not begin with '-' where {self.name}'s create template puts it at the "
+                f"start of an argv word ({shown(exc.element)}, before any '--'): the CLI would "
+                "read it as an option"
+                if isinstance(exc, OptionLike)
+                else f"is refused by {self.name}'s limits: {exc}"
+            )
+            raise error(field, exc.value, f"{field} {problem}; got {shown(exc.value)}") from exc
 
-    def field_of(self, exc: OptionLike, launch: Launch) -> str:
+    def field_of(self, exc: RefusedValue, launch: Launch) -> str:
         """The request's field (or option) that gave the refused value; "" for the driver's."""
         block = f"template.driver_config.{self.name}"
         fields = {
@@ -286,6 +300,10 @@ class ExternalDriver(Driver):
         data = self.stdin_request(launch) if self.manifest.request_on_stdin else None
         try:
             done = run_operation(argv, self.manifest.timeouts["create"], what, data, self.env)
+            typed = typed_error(self.manifest.errors, done.stderr.decode(errors="replace"))
+            if done.returncode != 0 and typed is not None:
+                self._discard(sid, sid)
+                raise typed
             out = checked(done, what)
         except ExternalDriverError as exc:
             self._discard(sid, sid)
@@ -376,9 +394,27 @@ class ExternalDriver(Driver):
         return sorted(set(found) | {lease.sandbox_id for lease in released})
 
     def reap_once(self, session_id: str) -> None:
-        """Ask the driver once to remove everything of ``session_id``."""
+        """Ask the driver once to remove everything of ``session_id``.
+
+        Without a reap template (``sandboxId: adapter``): close each sandbox list prints.
+        """
+        if "reap" not in self.manifest.templates:
+            for sid in self.sandboxes(session_id):
+                done = self.operation(
+                    "close", f"close of {sid}", session_id=session_id, sandbox_id=sid, id=sid
+                )
+                self.gone(done, f"{self.name} reap of {session_id}: close of {sid}")
+            return
         done = self.operation("reap", "reap", session_id=session_id)
         checked(done, f"{self.name} reap of {session_id}")
+
+    def gone(self, done: subprocess.CompletedProcess[bytes], what: str) -> None:
+        """A close or kill succeeded, or failed saying the sandbox is gone (``SandboxGone``)."""
+        if done.returncode != 0 and says_gone(
+            self.manifest.errors, done.stderr.decode("utf-8", "replace")
+        ):
+            return
+        checked(done, what)
 
     def version(self) -> str:
         if "version" not in self.manifest.templates:
@@ -407,9 +443,10 @@ class ExternalSandbox(Sandbox):
         env = tuple({"env_key": k, "env_value": v} for k, v in command.env.items())
         try:
             argv = render(
-                manifest.templates["exec"], self.values(), {"env": env}, manifest.fragments
-            )
-        except OptionLike as exc:
+                manifest.templates["exec"], self.values(), {"env": env}, manifest.fragments,
+                limits=manifest.limits,
+            )  # fmt: skip
+        except RefusedValue as exc:
             raise SandboxExecError(f"{self.driver}'s exec in {self.id}: {exc}") from exc
         return [*argv, *command.argv]
 
@@ -445,11 +482,11 @@ class ExternalSandbox(Sandbox):
 
     def stop(self) -> None:
         done = self._adapter.operation("close", f"close of {self.id}", **self.values())
-        checked(done, f"{self.driver} close of {self.id}")
+        self._adapter.gone(done, f"{self.driver} close of {self.id}")
 
     def kill(self) -> None:
         if "kill" in self._adapter.manifest.templates:
             done = self._adapter.operation("kill", f"kill of {self.id}", **self.values())
-            checked(done, f"{self.driver} kill of {self.id}")
+            self._adapter.gone(done, f"{self.driver} kill of {self.id}")
         else:
             self.stop()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drivers.external.schema import FRAGMENTS, SCHEMA, TEMPLATES_ONLY
+from drivers.external.schema import ERROR_TYPES, FRAGMENTS, SCHEMA, TEMPLATES_ONLY
 from gpuhost import strict
 from gpuhost.errors import shown
 
@@ -21,6 +21,8 @@ VARIABLE = re.compile(r"(?<!\{)\{([A-Za-z_][A-Za-z0-9_.]*)\}(?!\})")
 """``{name}``: a variable. Doubled braces (a Go template's ``{{.Names}}``) are left as they are."""
 SPLICE = re.compile(r"\{@([a-z_]+)\}")
 """An element that is exactly ``{@fragment}``: replaced by that fragment's arguments."""
+JSON_LISTS: Mapping[str, tuple[str, ...]] = {"device_list": ("device_ids",)}
+"""The lists a JSON element of each fragment may name, as a string that is exactly ``{@name}``."""
 
 COMMON = ("session_id", "sandbox_id", "driver", "cdi_kind")
 AFTER_CREATE = (*COMMON, "id")
@@ -45,7 +47,9 @@ TEMPLATE_SPLICES: Mapping[str, tuple[str, ...]] = {
 FRAGMENT_VARIABLES: Mapping[str, tuple[str, ...]] = {
     "count": ("count",),
     "gpu": ("count", "cdi_kind"),
+    "gpu_default": (),
     "device": ("device_id", "uuid", "cdi_kind"),
+    "device_list": ("count", "cdi_kind"),
     "dri_node": ("node_path", "node_source"),
     "tool_mount": ("mount_source", "mount_target"),
     "shared": (),
@@ -79,6 +83,39 @@ class ConfigKey:
     fragment: tuple[str, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class JsonArg:
+    """A fragment's argument written as a value: rendered as its JSON text, in one word."""
+
+    value: Any
+
+
+Arg = str | JsonArg
+"""A fragment's argument: a template string, or a JSON element."""
+
+
+@dataclass(frozen=True)
+class FlagRule:
+    """What a CLI refuses of one of its flags (``limits``)."""
+
+    once: bool = False
+    max_length: int | None = None
+    pattern: re.Pattern[str] | None = None
+    image_reference: bool = False
+
+    @property
+    def takes_value(self) -> bool:
+        return self.max_length is not None or self.pattern is not None or self.image_reference
+
+
+@dataclass(frozen=True)
+class ErrorRule:
+    """Create's stderr, where ``match`` is found in it, read as the typed error ``error``."""
+
+    match: re.Pattern[str]
+    error: str
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A checked manifest (the schema's camelCase keys, as Python names)."""
@@ -89,7 +126,7 @@ class Manifest:
     sandbox_id: str
     capabilities: Mapping[str, Any]
     templates: Mapping[str, tuple[str, ...]]
-    fragments: Mapping[str, tuple[str, ...]]
+    fragments: Mapping[str, tuple[Arg, ...]]
     timeouts: Mapping[str, float]
     driver_error_codes: frozenset[int]
     driver_config: Mapping[str, ConfigKey] = field(default_factory=dict)
@@ -104,6 +141,10 @@ class Manifest:
     """Mode templates: create reads the request as JSON on its stdin."""
     pass_env: tuple[str, ...] = ()
     """The caller's variables its commands are given, beside the fixed PATH and LANG."""
+    limits: Mapping[str, FlagRule] = field(default_factory=dict)
+    """What the CLI refuses of its flags, by flag: every rendered argv is held to it."""
+    errors: tuple[ErrorRule, ...] = ()
+    """Create's stderr read as typed errors, the first rule that matches."""
 
     @property
     def host_registry(self) -> bool:
@@ -131,7 +172,10 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         sandbox_id=data.get("sandboxId", "stdout"),
         capabilities=data["capabilities"],
         templates={op: tuple(argv) for op, argv in data.get("templates", {}).items()},
-        fragments={name: tuple(args) for name, args in data.get("fragments", {}).items()},
+        fragments={
+            name: tuple(JsonArg(arg["json"]) if isinstance(arg, Mapping) else arg for arg in args)
+            for name, args in data.get("fragments", {}).items()
+        },
         timeouts={**DEFAULT_TIMEOUTS, **data.get("timeouts", {})},
         driver_error_codes=frozenset(data.get("exec", {}).get("driverErrorCodes", ())),
         driver_config={
@@ -145,9 +189,46 @@ def parse(data: Any, path: Path | str = "<manifest>") -> Manifest:
         request_on_stdin=bool(data.get("requestOnStdin")),
         inventory=bool(data.get("inventory")) or "inventory" in data.get("templates", {}),
         pass_env=tuple(data.get("passEnv", ())),
+        limits={
+            flag: _flag_rule(path, flag, rules) for flag, rules in data.get("limits", {}).items()
+        },
+        errors=tuple(
+            _error_rule(path, f"errors[{i}]", rule) for i, rule in enumerate(data.get("errors", ()))
+        ),
     )
     check_coherent(manifest, path)
     return manifest
+
+
+def _pattern(path: Path | str, key: str, text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise ManifestError(path, key, text, f"not a regular expression: {exc}") from None
+
+
+def _flag_rule(path: Path | str, flag: str, rules: Mapping[str, Any]) -> FlagRule:
+    pattern = rules.get("pattern")
+    return FlagRule(
+        once=bool(rules.get("once")),
+        max_length=rules.get("maxLength"),
+        pattern=None if pattern is None else _pattern(path, f"limits.{flag}.pattern", pattern),
+        image_reference=bool(rules.get("imageReference")),
+    )
+
+
+def _error_rule(path: Path | str, key: str, rule: Mapping[str, Any]) -> ErrorRule:
+    match = _pattern(path, f"{key}.match", rule["match"])
+    needed, optional = ERROR_TYPES[rule["error"]]
+    groups = set(match.groupindex)
+    if not set(needed) <= groups <= {*needed, *optional}:
+        also = f" (and may have {', '.join(optional)})" if optional else ""
+        raise ManifestError(
+            path, f"{key}.match", rule["match"],
+            f"{rule['error']} is read from the named groups {', '.join(needed) or 'none'}{also}; "
+            f"the expression has {', '.join(match.groupindex) or 'none'}",
+        )  # fmt: skip
+    return ErrorRule(match, rule["error"])
 
 
 def check_schema(data: Any, path: Path | str) -> None:
@@ -225,10 +306,13 @@ def check_coherent(manifest: Manifest, path: Path | str) -> None:
                 raise ManifestError(path, key, arg, "a {@fragment} must be a whole element")
             _check_variables(path, key, arg, TEMPLATE_VARIABLES[op])
     for name, args in manifest.fragments.items():
-        for i, arg in enumerate(args):
-            _check_variables(
-                path, f"fragments.{name}[{i}]", arg, (*COMMON, *FRAGMENT_VARIABLES[name])
-            )
+        for i, piece in enumerate(args):
+            known = (*COMMON, *FRAGMENT_VARIABLES[name])
+            key = f"fragments.{name}[{i}]"
+            if isinstance(piece, JsonArg):
+                _check_json(path, f"{key}.json", piece.value, known, JSON_LISTS.get(name, ()))
+            else:
+                _check_variables(path, key, piece, known)
     for name, item in manifest.driver_config.items():
         if name in RESERVED_CONFIG_KEYS:
             raise ManifestError(
@@ -238,6 +322,13 @@ def check_coherent(manifest: Manifest, path: Path | str) -> None:
             _check_variables(path, f"driverConfig.{name}.fragment[{i}]", arg, (*COMMON, "value"))
     for i, arg in enumerate(manifest.command):
         _check_variables(path, f"command[{i}]", arg, COMMAND_VARIABLES)
+    no_reap = manifest.mode == "templates" and "reap" not in manifest.templates
+    if no_reap and manifest.sandbox_id != "adapter":
+        raise ManifestError(
+                path, "templates.reap", None,
+                "required unless sandboxId is adapter (the adapter then closes each sandbox "
+                "list prints, naming it {id})",
+            )  # fmt: skip
     caps = manifest.capabilities
     if caps["exactIds"] and not caps.get("idForms"):
         raise ManifestError(
@@ -253,6 +344,28 @@ def check_coherent(manifest: Manifest, path: Path | str) -> None:
             path, "capabilities.idForms", None,
             "allocation host-registry names the leased GPUs in one of the driver's ID forms",
         )  # fmt: skip
+
+
+def _check_json(
+    path: Path | str, key: str, value: Any, known: tuple[str, ...], lists: tuple[str, ...]
+) -> None:
+    """Every string of a JSON element is a template; ``{@name}`` whole, for a list it knows."""
+    if isinstance(value, str):
+        splice = SPLICE.fullmatch(value)
+        if splice:
+            _check_known(path, key, value, f"list {{@{splice.group(1)}}}", lists)
+        elif "{@" in value:
+            raise ManifestError(path, key, value, "a {@list} must be a whole string")
+        else:
+            _check_variables(path, key, value, known)
+    elif isinstance(value, Mapping):
+        for name, item in value.items():
+            if "{" in name:
+                raise ManifestError(path, f"{key}.{name}", name, "a JSON key is not a template")
+            _check_json(path, f"{key}.{name}", item, known, lists)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(path, f"{key}[{i}]", item, known, lists)
 
 
 def _check_variables(path: Path | str, key: str, arg: str, known: tuple[str, ...]) -> None:

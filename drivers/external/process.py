@@ -4,16 +4,25 @@ Every command runs in a process group of its own, under its timeout: at expiry t
 gets SIGTERM, then SIGKILL, and the suite's typed error is raised. Its environment is fixed
 (``command_env``): the host's ``PATH`` and ``LANG``, and of the caller's variables only
 those the manifest names in ``passEnv``; never the rest of the caller's (an
-``LD_PRELOAD``, a ``PATH`` of theirs, credentials of other tools).
+``LD_PRELOAD``, a ``PATH`` of theirs, credentials of other tools). It runs in an empty
+directory only its user may enter (``empty_dir``), never the caller's: a value that a CLI
+reads as a relative path (an image ``Dockerfile``, ``tmp``, whose ``Dockerfile`` any local
+user may write) names nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import signal
+import stat
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from drivers.host_process import HOST_ENV
 from gpuhost.errors import DriverError, shown
@@ -22,6 +31,35 @@ from gpuhost.procfs import kill_marked
 PIPE = subprocess.PIPE
 TERM_GRACE_S = 2.0
 """How long a timed-out command's process group has between SIGTERM and SIGKILL."""
+
+
+@functools.cache
+def empty_dir() -> str:
+    """An empty directory only this user may enter: the commands' working directory.
+
+    One per user, kept (``gpu-sandbox-empty-<uid>`` in the temporary directory, mode 0500):
+    a process killed before its exit leaves nothing behind. Where that one is not this
+    user's, is open to others or holds anything, a fresh one of this process's own,
+    removed at its exit.
+    """
+    shared = Path(tempfile.gettempdir()) / f"gpu-sandbox-empty-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(shared, 0o500)
+    try:
+        fd = os.open(shared, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        fd = -1  # a link, a file, or gone
+    if fd >= 0:
+        try:
+            found = os.fstat(fd)
+            mine = found.st_uid == os.getuid() and not stat.S_IMODE(found.st_mode) & 0o077
+            if mine and not os.listdir(fd):
+                return str(shared)
+        finally:
+            os.close(fd)
+    path = tempfile.mkdtemp(prefix="gpu-sandbox-cwd-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def command_env(
@@ -67,10 +105,13 @@ def spawn(
     stderr: int = PIPE,
     stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
-    """``argv`` started in a process group of its own, no stdin, with ``env`` and no other."""
+    """``argv`` started in a process group of its own, no stdin, with ``env`` and no other.
+
+    Its working directory is ``empty_dir()``.
+    """
     return subprocess.Popen(
         list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
-        start_new_session=True, env=dict(env),
+        start_new_session=True, env=dict(env), cwd=empty_dir(),
     )  # fmt: skip
 
 

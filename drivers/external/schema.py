@@ -21,11 +21,21 @@ AMD or Intel GPU's DRI node path (``/dev/dri/card1``)."""
 OPERATIONS: Final = (
     "create", "ready", "pid", "exec", "close", "kill", "list", "reap", "version", "inventory",
 )  # fmt: skip
-REQUIRED_OPERATIONS: Final = ("create", "exec", "close", "list", "reap")
+REQUIRED_OPERATIONS: Final = ("create", "exec", "close", "list")
+"""And ``reap`` unless ``sandboxId: adapter`` (then the adapter closes each sandbox list prints)."""
 FRAGMENTS: Final = (
-    "count", "gpu", "device", "dri_node", "tool_mount", "shared", "image", "env", "mig_profile",
-    "vendor",
+    "count", "gpu", "gpu_default", "device", "device_list", "dri_node", "tool_mount", "shared",
+    "image", "env", "mig_profile", "vendor",
 )  # fmt: skip
+ERROR_TYPES: Final = {
+    "GpusExhausted": (("requested", "available"), ("total",)),
+    "GpuBusy": (("device",), ("holder",)),
+    "SandboxGone": ((), ()),
+}
+"""What a manifest may read from a CLI's stderr, and the named groups each one needs and may
+have: the typed errors of a create, and ``SandboxGone``: a close or kill that found the
+sandbox gone."""
+FLAG = "^--?[A-Za-z0-9][A-Za-z0-9_.-]*$"
 TIMED: Final = (
     "create", "ready", "pid", "close", "kill", "list", "reap", "version", "inventory",
 )  # fmt: skip
@@ -41,11 +51,50 @@ _ARGV: dict[str, Any] = {
     "items": {"type": "string", "minLength": 1},
     "description": "An argv template: a list of strings, never a shell string.",
 }
+_JSON_ARG: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["json"],
+    "properties": {
+        "json": {
+            "description": (
+                "One argument: this value as JSON text, each string in it a template; a "
+                "string that is exactly {@device_ids} (fragment device_list) is the list of "
+                "the devices create is handed."
+            ),
+        },
+    },
+}
 _FRAGMENT: dict[str, Any] = {
     "type": "array",
     "minItems": 1,
-    "items": {"type": "string"},
+    "items": {"oneOf": [{"type": "string"}, _JSON_ARG]},
     "description": "Arguments emitted only when the request sets the field.",
+}
+_FLAG_RULES: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "minProperties": 1,
+    "properties": {
+        "once": {"type": "boolean", "description": "The CLI refuses the flag given twice."},
+        "maxLength": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "The CLI refuses a value longer than this, in UTF-8 bytes.",
+        },
+        "pattern": {
+            "type": "string",
+            "minLength": 1,
+            "description": "The CLI refuses a value this regular expression does not match whole.",
+        },
+        "imageReference": {
+            "type": "boolean",
+            "description": (
+                "The value must be an image reference (the OCI distribution grammar): the CLI "
+                "reads other values as local paths (a directory to build, say)."
+            ),
+        },
+    },
 }
 _SECONDS = {
     "type": "number",
@@ -62,6 +111,8 @@ TEMPLATES_ONLY: Final = (
     "exec",
     "defaultImage",
     "requestOnStdin",
+    "limits",
+    "errors",
 )
 
 SCHEMA: Final[dict[str, Any]] = {
@@ -202,6 +253,34 @@ SCHEMA: Final[dict[str, Any]] = {
             "type": "object",
             "additionalProperties": False,
             "properties": {name: _FRAGMENT for name in FRAGMENTS},
+        },
+        "limits": {
+            "type": "object",
+            "description": (
+                "What the CLI refuses of its flags, by flag (--name, --gpu): every rendered "
+                "argv is held to it before its first '--', by validate and before each run."
+            ),
+            "propertyNames": {"pattern": FLAG},
+            "additionalProperties": _FLAG_RULES,
+        },
+        "errors": {
+            "type": "array",
+            "description": (
+                "A CLI's stderr read as the suite's typed errors: the first rule whose match "
+                "is found in it (as one line: ANSI escapes dropped, line breaks and "
+                "box-drawing characters read as spaces) gives its error, its named groups "
+                "the error's fields: create's GpusExhausted and GpuBusy; SandboxGone, a close "
+                "or kill that failed because the sandbox is already gone (done, then)."
+            ),
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["match", "error"],
+                "properties": {
+                    "match": {"type": "string", "minLength": 1},
+                    "error": {"enum": list(ERROR_TYPES)},
+                },
+            },
         },
         "exec": {
             "type": "object",

@@ -4,7 +4,9 @@
 
 Checks the manifest against the schema (docs/external-driver.schema.json) and itself,
 renders every template for a set of sample requests and prints the argv each would run
-(nothing is run). With ``--probe``, creates one sandbox with no GPU and runs
+(nothing is run). Every render is held to the manifest's ``limits`` with a session id of
+63 characters, the longest a session id may be (a name made of it must still fit). With
+``--probe``, creates one sandbox with no GPU and runs
 ``sh -c 'printf o; printf e >&2; exit 42'`` in it: exit 42, stdout "o" and stderr "e"
 must come back intact. Exit status: 0 valid (and the probe passed), 1 the probe failed,
 2 the manifest is refused (the key and the value are named).
@@ -13,6 +15,7 @@ must come back intact. Exit status: 0 valid (and the probe passed), 1 the probe 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import uuid
@@ -23,42 +26,38 @@ from drivers.base import Command
 from drivers.external import driver_class
 from drivers.external.driver import ExternalDriver, ExternalSandbox
 from drivers.external.manifest import ManifestError
-from drivers.external.templates import CreateRequest, render, render_create
+from drivers.external.templates import CreateRequest, RefusedValue, render, render_create
 from gpuhost.devices import CDI_KIND
 from gpuhost.errors import DriverError
 
 PROBE = ("sh", "-c", "printf o; printf e >&2; exit 42")
 SAMPLE_ID = "0123456789ab"
 SAMPLE_NATIVE = "<id printed by create>"
+SAMPLE_IMAGE = "registry.example/image:tag"
+"""The image of the samples when the manifest has no defaultImage: what --image would be."""
+LONGEST_SESSION = "s" * 63
+"""The longest session id (drivers.base.SESSION_ID): the renders held to ``limits`` use it."""
 
 
 def samples(driver: type[ExternalDriver]) -> Iterator[tuple[str, CreateRequest]]:
     """The sample requests, as create sees them (GPU IDs of a host's first GPUs)."""
     forms = driver.manifest.capabilities.get("idForms", ())
     first, second = _sample_ids(forms, 0), _sample_ids(forms, 1)
-    image = driver.manifest.default_image or "<--image>"
-    chooses = not driver.manifest.host_registry
+    image = driver.manifest.default_image or SAMPLE_IMAGE
+    if driver.manifest.host_registry:  # the adapter leases: create is handed the devices
+        default = CreateRequest(image, count=1, default_gpu=True, devices=(first,))
+        count = CreateRequest(image, count=2, devices=(first, second))
+    else:
+        default = CreateRequest(image, gpu=1, default_gpu=True)
+        count = CreateRequest(image, count=2, gpu=2)
     yield "no GPU", CreateRequest(image)
-    yield (
-        "default (one free GPU)",
-        CreateRequest(image, gpu=1 if chooses else None, devices=() if chooses else (first,)),
-    )
-    yield (
-        "count 2",
-        CreateRequest(
-            image, count=2, gpu=2 if chooses else None, devices=() if chooses else (first, second)
-        ),
-    )
+    yield "default (one free GPU)", default
+    yield "count 2", count
     yield "exact IDs", CreateRequest(image, count=2, devices=(first, second))
-    yield (
-        "shared",
-        CreateRequest(
-            image, gpu=1 if chooses else None, devices=() if chooses else (first,), shared=True
-        ),
-    )
+    yield "shared", dataclasses.replace(default, shared=True)
     yield (
         "env and image",
-        CreateRequest("my-image:1", image_set=True, env={"GREETING": "hello world", "EMPTY": ""}),
+        CreateRequest("my-image:1", env={"GREETING": "hello world", "EMPTY": ""}),
     )
 
 
@@ -76,20 +75,42 @@ def _sample_ids(forms: tuple[str, ...], index: int) -> tuple[str, str]:
 
 def dry_run(driver: type[ExternalDriver], out: list[str]) -> None:
     """Each template's argv for the sample requests, as shell-quoted lines."""
+    native = SAMPLE_ID if driver.manifest.sandbox_id == "adapter" else SAMPLE_NATIVE
+    values = {"session_id": "<session>", "id": native}
+    for what, argv in renders(driver, values, checked=False):
+        out.append(f"{what}:\n  {shlex.join(argv)}")
+
+
+def check_limits(driver: type[ExternalDriver]) -> str:
+    """Which sample render breaks the manifest's ``limits``, and how; "" when none does."""
+    values = {"session_id": LONGEST_SESSION, "id": SAMPLE_ID}
+    try:
+        for _ in renders(driver, values, checked=True):
+            pass
+    except RefusedValue as exc:
+        return f"{exc} (rendered with a session id of {len(LONGEST_SESSION)} characters)"
+    return ""
+
+
+def renders(
+    driver: type[ExternalDriver], given: dict[str, str], checked: bool
+) -> Iterator[tuple[str, list[str]]]:
+    """(what, argv) of each template for the sample requests; ``checked``: held to limits."""
     manifest = driver.manifest
-    values = {
-        "session_id": "<session>", "driver": manifest.name, "cdi_kind": CDI_KIND,
-        "sandbox_id": SAMPLE_ID, "id": SAMPLE_NATIVE,
-    }  # fmt: skip
+    values = {"driver": manifest.name, "cdi_kind": CDI_KIND, "sandbox_id": SAMPLE_ID, **given}
+    limits = manifest.limits if checked else {}
+    held = dataclasses.replace(manifest, limits=limits)
     for what, request in samples(driver):
-        out.append(f"create, {what}:\n  {shlex.join(render_create(manifest, request, values))}")
+        yield f"create, {what}", render_create(held, request, values)
     for op in ("ready", "pid", "close", "kill", "list", "reap", "version", "inventory"):
         if op in manifest.templates:
-            out.append(f"{op}:\n  {shlex.join(render(manifest.templates[op], values))}")
+            yield op, render(manifest.templates[op], values, limits=limits)
     command = Command.of(PROBE, 10)
     env = tuple({"env_key": k, "env_value": v} for k, v in command.env.items())
-    argv = render(manifest.templates["exec"], values, {"env": env}, manifest.fragments)
-    out.append(f"exec of {shlex.join(PROBE)}:\n  {shlex.join([*argv, *PROBE])}")
+    argv = render(
+        manifest.templates["exec"], values, {"env": env}, manifest.fragments, limits=limits
+    )
+    yield f"exec of {shlex.join(PROBE)}", [*argv, *PROBE]
 
 
 def probe(driver: type[ExternalDriver], sim_root: Path | None, image: str | None) -> str:
@@ -130,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         driver = driver_class(args.path)
     except ManifestError as exc:
         sys.stderr.write(f"invalid manifest: {exc}\n")
+        return 2
+    broken = check_limits(driver)
+    if broken:
+        sys.stderr.write(f"invalid manifest: {driver.manifest.path}: {broken}\n")
         return 2
     lines = [f"{args.path}: valid ({driver.manifest.name}, {driver.manifest.allocation})"]
     dry_run(driver, lines)

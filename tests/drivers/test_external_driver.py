@@ -37,6 +37,9 @@ EXAMPLE_JSONL = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
 PODMAN_CLI_FAILS = {"GPU-RECLAIM-02", "GPU-SHARED-02"}
 """What the podman CLI fails with the adapter leasing its GPUs (docs/external-drivers.md):
 a `podman run -d` container outlives the process that created it, with its GPUs."""
+PODMAN_CLI_PARTIAL = {"SANDBOX-PEER-01"}
+"""What it passes with a case not tried: the kernel keyring's needs python3 in the sandbox,
+which its busybox image lacks (conformance/test_peers.py)."""
 
 
 def sh_manifest(state: Path, **changes: Any) -> dict[str, Any]:
@@ -172,21 +175,27 @@ def test_fragments_are_emitted_only_for_the_fields_the_request_sets(tmp_path: Pa
     def create(request: CreateRequest) -> list[str]:
         return render_create(manifest, request, values)[4:]
 
-    assert create(CreateRequest("img")) == []
-    assert create(CreateRequest("img", devices=(("0", "GPU-a"),))) == ["--device=0"]
+    assert create(CreateRequest("")) == []
+    assert create(CreateRequest("img")) == ["--image=img"]  # the request's, --image's or default
+    assert create(CreateRequest("", count=1, devices=(("0", "GPU-a"),))) == [
+        "--count=1", "--device=0",
+    ]  # fmt: skip
     assert create(
-        CreateRequest("img", count=2, devices=(("0", "GPU-a"), ("2", "GPU-c")), shared=True)
+        CreateRequest("", count=2, devices=(("0", "GPU-a"), ("2", "GPU-c")), shared=True)
     ) == ["--count=2", "--device=0", "--device=2", "--shared"]
-    assert create(
-        CreateRequest("my image", image_set=True, env={"A": "b c", "E": ""}, config={"label": "L"})
-    ) == ["--image=my image", "A=b c", "E=", "--label=L"]
+    assert create(CreateRequest("my image", env={"A": "b c", "E": ""}, config={"label": "L"})) == [
+        "--image=my image",
+        "A=b c",
+        "E=",
+        "--label=L",
+    ]
 
 
 def test_a_variable_is_never_split_or_read_by_a_shell(tmp_path: Path) -> None:
     manifest = parse(sh_manifest(tmp_path))
     values = {"session_id": "s", "sandbox_id": "x", "driver": "d", "cdi_kind": "k"}
     hostile = "$(touch pwned); `id` 'q' {sandbox_id}"
-    argv = render_create(manifest, CreateRequest(hostile, image_set=True), values)
+    argv = render_create(manifest, CreateRequest(hostile), values)
     assert argv[-1] == f"--image={hostile}"
 
 
@@ -200,7 +209,7 @@ def test_a_templates_driver_creates_execs_lists_and_reaps(tmp_path: Path, host: 
     with driver.create(spec) as sandbox:
         assert [gpu.index for gpu in sandbox.gpus] == [1]
         argv = (tmp_path / "sb" / "session-a" / sandbox.id).read_text().split()
-        assert argv == ["--device=1"], "create was not handed the leased GPU"
+        assert argv == ["--count=1", "--device=1"], "create was not handed the leased GPU"
         result = sandbox.exec(["sh", "-c", "printf o; printf e >&2; exit 42"])
         assert (result.returncode, result.stdout, result.stderr) == (42, "o", "e")
         assert driver.sandboxes("session-a") == [sandbox.id]
@@ -341,7 +350,9 @@ def test_the_podman_cli_fails_the_catalogue_exactly_where_its_containers_outlive
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
     failed = {req for req in golden_ids() if verdicts[req] == "failed"}
     assert failed == PODMAN_CLI_FAILS, verdicts
-    assert {verdicts[req] for req in golden_ids() - failed} <= {"passed", "not applicable"}
+    assert {req for req in golden_ids() if verdicts[req] == "partial"} == PODMAN_CLI_PARTIAL
+    rest = golden_ids() - failed - PODMAN_CLI_PARTIAL
+    assert {verdicts[req] for req in rest} <= {"passed", "not applicable"}, verdicts
 
 
 def test_two_manifests_are_two_drivers_side_by_side(tmp_path: Path, host: GpuHost) -> None:
@@ -377,7 +388,7 @@ def test_allocation_driver_hands_the_request_on_as_given_and_leases_nothing(
     assert created(SandboxSpec.with_gpus()) == ["--gpus=1"]
     assert created(SandboxSpec.with_gpus(2)) == ["--gpus=2", "--count=2"]
     exact = SandboxSpec.with_gpus(driver="sh-files", device_ids=[gpu1.uuid])
-    assert created(exact) == [f"--device={gpu1.uuid}"]
+    assert created(exact) == ["--count=1", f"--device={gpu1.uuid}"]  # a count: one ID
 
 
 def test_a_fresh_process_is_told_to_build_the_same_external_driver(

@@ -26,6 +26,7 @@ from drivers.external import driver_class
 from drivers.external.driver import ExternalDriver
 from drivers.external.jsonl_process import DRIVER_MARKER_ENV
 from drivers.external.manifest import ManifestError, parse
+from drivers.external.templates import CreateRequest, render_create
 from drivers.host_process import HOST_PATH
 from gpuhost import simulated
 from gpuhost.errors import InvalidGpuRequest, SandboxExecError, SandboxStartError
@@ -383,4 +384,74 @@ def test_the_commands_image_flag_is_held_to_the_same_rule() -> None:
     )  # fmt: skip
     assert done.returncode == 2, done
     assert "(InvalidGpuRequest at template.image)" in done.stderr
-    assert "must not begin with '-'" in done.stderr
+    assert "is not an image reference" in done.stderr  # --from's rule in the manifest's limits
+
+
+# -- OpenShell's command line: a request's value is never a flag nor a shell word ----------------
+
+INJECTED = ["--gpu", ";", "$(touch /tmp/gpu-sandbox-pwned)", "a\nb"]
+"""A flag of OpenShell's create, a shell separator, a command substitution, a newline."""
+
+
+def openshell_recorded(tmp_path: Path) -> tuple[type[ExternalDriver], Path]:
+    """examples/drivers/openshell.yaml with its program replaced by the recorder."""
+    log = tmp_path / "argv.jsonl"
+    recorder = tmp_path / "openshell"
+    recorder.write_text(RECORDER.format(python=sys.executable, log=str(log)))
+    recorder.chmod(0o755)
+    text = (EXAMPLES / "openshell.yaml").read_text()
+    text = text.replace("- openshell\n", f"- {recorder}\n").replace("[openshell,", f"[{recorder},")
+    return driver_class(write_text(tmp_path / "openshell.yaml", text)), log
+
+
+def flags_of(argv: list[str]) -> list[str]:
+    """The words of a create before its `--` that begin with '-', each up to its '='."""
+    return [word.partition("=")[0] for word in argv[: argv.index("--")] if word.startswith("-")]
+
+
+@pytest.mark.parametrize("value", INJECTED, ids=["flag", "semicolon", "substitution", "newline"])
+@pytest.mark.parametrize("field", ["image", "env value", "device ID"])
+def test_a_request_value_never_becomes_a_flag_or_a_shell_word_of_openshells_create(
+    tmp_path: Path, host: GpuHost, field: str, value: str
+) -> None:
+    """Refused by name, or one word of the argv beside the flags a harmless value gets.
+
+    An image is refused by name (not an image reference); an env value is one word,
+    ``--env=V=<value>``; a device ID is refused as unknown, and where it reaches the render,
+    it is a string inside the one JSON word.
+    """
+    cls, log = openshell_recorded(tmp_path)
+    driver = cls(host, "injected")
+    if field == "image":
+        with pytest.raises(InvalidGpuRequest) as refused:
+            driver.create(request(image=value))
+        assert (refused.value.field, refused.value.value) == ("template.image", value)
+        assert runs(log) == []
+    elif field == "env value":
+        with driver.create(parse_spec({"template": {"env": {"V": value}}})):
+            (created, *_) = [run["argv"] for run in runs(log)]
+        with driver.create(parse_spec({"template": {"env": {"V": "harmless"}}})):
+            harmless = runs(log)[-1]["argv"]
+        assert f"--env=V={value}" in created
+        assert value not in created, "the value is a word of its own"
+        assert flags_of(created) == flags_of(harmless)
+    else:
+        block = {"openshell": {"gpu_device_ids": [value]}}
+        spec = parse_spec(
+            {"resource_requirements": {"gpu": {}}, "template": {"driver_config": block}}
+        )
+        with pytest.raises(InvalidGpuRequest) as refused:
+            driver.create(spec)
+        assert refused.value.field == "template.driver_config.openshell.gpu_device_ids"
+        assert runs(log) == []
+        devices = ((value, ""), ("nvidia.com/gpu=1", ""))
+        values = {"session_id": "s", "sandbox_id": "0123456789ab", "driver": "openshell",
+                  "cdi_kind": "nvidia.com/gpu"}  # fmt: skip
+        argv = render_create(cls.manifest, CreateRequest("", count=2, devices=devices), values)
+        assert value not in argv, "the value is a word of its own"
+        (config,) = [word for word in argv if word.startswith("{")]
+        assert json.loads(config)["docker"]["cdi_devices"] == [value, "nvidia.com/gpu=1"]
+        assert flags_of(argv) == [
+            "--name", "--label", "--label", "--gpu", "--driver-config-json", "--no-tty", "--detach",
+        ]  # fmt: skip
+    assert not Path("/tmp/gpu-sandbox-pwned").exists()

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from gpu_sandbox.cli import EXIT_USAGE, main
+from gpu_sandbox.cli import main
+from gpu_sandbox.options import EXIT_USAGE
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import parse_spec

@@ -332,3 +332,24 @@ def test_a_login_shell_finds_the_gpu_tools_whatever_the_environment(
     assert len(gpus_in(gateway, name)) == 1
     shown = gateway.cli("sandbox", "exec", f"--name={name}", "--no-tty", "--", "printenv", "HOME")
     assert ok(shown) == "/nonexistent\n"
+
+
+def test_forking_a_sandboxs_processes_leaves_grpc_out_of_the_children(
+    sim: simulated.SimulatedHost, tmp_path: Path
+) -> None:
+    """No process the gateway forks runs gRPC's fork handlers (GRPC_ENABLE_FORK_SUPPORT).
+
+    They ran in each process forked from the server's threads: they logged into its stderr
+    and, once, "epoll_wait error" into a command's.
+    """
+    log = tmp_path / "gateway.log"
+    with running(tmp_path / "state", sim.root, log_path=log) as gw:
+        name = f"f-{uuid.uuid4().hex[:8]}"
+        try:
+            create(gw, name, "--gpu")
+            for _ in range(3):
+                result = gw.cli("sandbox", "exec", "--name", name, "--no-tty", "--", "true")
+                assert (result.returncode, result.stderr) == (0, "")
+        finally:
+            gw.cli("sandbox", "delete", name)
+    assert "fork" not in log.read_text(), log.read_text()[:2000]
