@@ -91,11 +91,11 @@ def test_catalogue_passes_the_reference_driver(
     assert run.ret == pytest.ExitCode.OK
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
 def _cmdlines(pids: list[int]) -> list[str]:
     return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids]
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
 def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
