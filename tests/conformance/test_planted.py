@@ -11,6 +11,7 @@ import pytest
 
 from conformance import requirements
 from conformance.test_hostwide import HOSTS as HOSTWIDE_HOSTS
+from gpuhost import simulated
 from tests.breakers import ALL, containers, hostwide, pods, vms
 from tests.breakers.base import BrokenDriver
 from tests.breakers.exhaustion import WaitsForAFreeGpu
@@ -126,6 +127,31 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     expected = f"{HOSTWIDE_HOSTS[1]} (needs 2 GPUs; the host has 1)"
     assert dropped == ({expected, ""} if gpus == 1 else {""}), dropped
     run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
+
+
+MIG_AND_DRI = (
+    "MIG-EXACT-01", "MIG-PROFILE-01", "MIG-ISOLATION-01", "MIG-EXCLUSIVE-01",
+    "DRI-ISOLATION-01", "DRI-PAIRING-01", "DRI-EXCLUSIVE-01",
+)  # fmt: skip
+
+
+def test_reference_driver_on_the_smallest_mig_and_dri_host_drops_cases_by_name(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """One GPU, in MIG mode with one instance, and one AMD GPU: nothing skipped, nothing hidden.
+
+    What needs more (two instances, two GPUs in MIG mode, two GPUs of a vendor, a GPU of
+    another kind beside) is dropped by name: the cell is partial, never passed.
+    """
+    host = simulated.setup(
+        tmp_path / "sim", 1,
+        mig=simulated.parse_mig_layout("0:1x7g.80gb"), dri=simulated.parse_dri_layout("amd:1"),
+    )  # fmt: skip
+    asked = f"--requirement={','.join(MIG_AND_DRI)}"
+    result, run = run_catalogue(pytester, tmp_path, "reference", 1, asked, sim_root=host.root)
+    verdicts = {req: _assert_dropped_by_name(result, req) for req in MIG_AND_DRI}
+    assert verdicts == {**dict.fromkeys(MIG_AND_DRI, "partial"), "DRI-PAIRING-01": "passed"}
     assert run.ret == pytest.ExitCode.OK
 
 
