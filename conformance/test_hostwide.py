@@ -40,7 +40,7 @@ from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
 from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpuBusy, GpusExhausted
+from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
 from gpuhost.leases import PROCESS, Holder
 from gpuhost.spec import SandboxSpec
 
@@ -173,29 +173,33 @@ def test_leases_of_holders_that_are_gone_hold_nothing(
         # Every GPU leased to the holder that is gone, afresh for each request: the first
         # grant that judges them drops them all.
         with GONE_HOLDERS[who](Place(settings, driver), inventory):
-            got = _granted(request, driver, sandboxes, inventory)
-        if got is not None:
-            assert got, f"{who} leased every GPU; a request ({request}) was refused them all"
+            try:
+                _granted(request, driver, sandboxes, inventory)
+            except GpuAllocationError as exc:
+                pytest.fail(
+                    f"every GPU is leased to {who}, who holds nothing; a request ({request}) "
+                    f"was refused: {exc}",
+                    pytrace=False,
+                )
         _close(sandboxes)
 
 
 def _granted(
     request: str, driver: Driver, sandboxes: SandboxFactory, inventory: list[GpuDevice]
-) -> list[str] | None:
-    """What ``request`` gets, every GPU being leased to a holder that is gone; None: not asked."""
+) -> None:
+    """``request`` is granted, every GPU being leased to a holder that is gone."""
+    __tracebackhide__ = True
     if request == "default":
-        return uuids(sandboxes(SandboxSpec.with_gpus()))
-    if request == "a count of every GPU":
+        got = uuids(sandboxes(SandboxSpec.with_gpus()))
+        assert len(got) == 1, f"a default request got {got}"
+    elif request == "a count of every GPU":
         count = min(len(inventory), driver.capabilities.max_gpus_per_sandbox)
         got = uuids(sandboxes(SandboxSpec.with_gpus(count)))
         assert len(set(got)) == count, f"a count of {count} got {got}"
-        return got
-    if not driver.capabilities.exact_ids:
-        return None
-    last = inventory[-1]  # not the lowest
-    got = uuids(sandboxes(_exact(driver, last)))
-    assert got == [last.uuid], f"{last.describe()} asked for; got {got}"
-    return got
+    elif driver.capabilities.exact_ids:
+        last = inventory[-1]  # not the lowest
+        got = uuids(sandboxes(_exact(driver, last)))
+        assert got == [last.uuid], f"{last.describe()} asked for; got {got}"
 
 
 @pytest.mark.gpus(1)
