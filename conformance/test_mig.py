@@ -299,6 +299,16 @@ def test_only_its_own_instances_capabilities_are_inside(
         assert foreign == [], f"a sandbox given {uuids(sandbox)} by profile also holds {foreign}"
 
 
+def _busy(sandboxes: SandboxFactory, spec: SandboxSpec, asked: str) -> None:
+    """``spec`` is refused with ``GpuBusy``; granted, the test fails saying what it got."""
+    __tracebackhide__ = True
+    try:
+        sandbox = sandboxes(spec)
+    except GpuBusy:
+        return
+    pytest.fail(f"{asked}: got {uuids(sandbox)}, not GpuBusy", pytrace=False)
+
+
 def _most_split(driver: Driver) -> tuple[GpuDevice, list[GpuDevice]]:
     """The GPU in MIG mode with the most instances, and its instances."""
     parent_uuid, migs = max(_by_gpu(_instances(driver)).items(), key=lambda item: len(item[1]))
@@ -334,13 +344,12 @@ def test_a_held_instance_excludes_its_gpu_and_nothing_else(
     """
     parent, migs = _most_split(driver)
     instance = migs[-1]
+    holds = f"{who} holds {instance.describe()}"
     with _instance_held(who, driver, settings, instance):
         for device_id in driver.device_ids(instance):
-            with pytest.raises(GpuBusy):
-                sandboxes(_exact(driver, device_id))
+            _busy(sandboxes, _exact(driver, device_id), f"{holds}; {device_id} asked for")
         for device_id in driver.device_ids(parent):
-            with pytest.raises(GpuBusy):
-                sandboxes(_exact(driver, device_id))
+            _busy(sandboxes, _exact(driver, device_id), f"{holds}; its GPU {device_id} asked for")
         refused = refused_to_another_client(settings.host, settings.session_id, parent)
         assert isinstance(refused, GpuBusy), (
             f"{instance.uuid} of {parent.uuid} is held by {who}; the host registry's other "
@@ -354,8 +363,8 @@ def test_a_held_instance_excludes_its_gpu_and_nothing_else(
         assert uuids(sibling) == [siblings[0].uuid]
         sibling.close()
         # Closing a sibling gives back its instance alone: the held one stays held.
-        with pytest.raises(GpuBusy):
-            sandboxes(_exact(driver, driver.device_ids(instance)[0]))
+        again = _exact(driver, driver.device_ids(instance)[0])
+        _busy(sandboxes, again, f"{holds}; asked for after its sibling {siblings[0].uuid} closed")
         refused = refused_to_another_client(settings.host, settings.session_id, instance)
         assert isinstance(refused, GpuBusy), (
             f"closing {siblings[0].uuid} gave back {instance.uuid}, which {who} holds: the "
@@ -386,13 +395,18 @@ def test_a_gpu_held_whole_excludes_its_instances(
         holding = whole
     else:
         holding = held_by_the_sh_client(settings.host, driver.session_id, [parent])
+    holds = f"{who} holds {parent.describe()} whole"
     with holding:
         for mig in migs:
             for device_id in driver.device_ids(mig):
-                with pytest.raises(GpuBusy):
-                    sandboxes(_exact(driver, device_id))
-        with pytest.raises(GpusExhausted):
-            sandboxes(_profile(driver, profile, every))
+                _busy(sandboxes, _exact(driver, device_id), f"{holds}; {device_id} asked for")
+        every_one = _profile(driver, profile, every)
+        try:
+            got = uuids(sandboxes(every_one))
+        except GpusExhausted:
+            pass
+        else:
+            pytest.fail(f"{holds}; every {profile} instance ({every}) asked for got {got}")
     again = sandboxes(_exact(driver, driver.device_ids(instance)[0]))
     assert uuids(again) == [instance.uuid], (
         f"{parent.uuid} given back, its instance did not come back"

@@ -245,13 +245,13 @@ class GrantsGpuWithItsOwnInstance(BrokenDriver):
 
 
 class _Unseeing(BrokenRegistry):
-    """Judges a request against the leases as if those ``unseen`` picks were not there.
+    """Judges a request against the leases as ``seen`` shows them (None: not there at all).
 
-    ``unseen(lease, asking, in_mig_mode)``: ``asking`` is the driver asking, ``in_mig_mode``
+    ``seen(lease, asking, in_mig_mode)``: ``asking`` is the driver asking, ``in_mig_mode``
     the UUIDs of the host's GPUs in MIG mode.
     """
 
-    unseen: Callable[[Lease, str, frozenset[str]], bool]
+    seen: Callable[[Lease, str, frozenset[str]], Lease | None]
 
     def __init__(self, directory: Path, in_mig_mode: frozenset[str]) -> None:
         super().__init__(directory)
@@ -280,7 +280,7 @@ class _Unseeing(BrokenRegistry):
                 yield held
                 return
             yield _Unseen(held.mine, held.others, lambda lease: (
-                type(self).unseen(lease, asking, self._in_mig_mode)
+                type(self).seen(lease, asking, self._in_mig_mode)
             ))  # fmt: skip
 
 
@@ -288,35 +288,37 @@ class _OwnWholeGpusOnlyRegistry(_Unseeing):
     """Other clients' whole GPUs in MIG mode unseen: "only we take a GPU in MIG mode whole"."""
 
     @staticmethod
-    def unseen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> bool:
-        return lease.driver != asking and lease.gpu_uuid in in_mig_mode
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        return None if lease.driver != asking and lease.gpu_uuid in in_mig_mode else lease
 
 
 class _OthersWholeGpusOnlyRegistry(_Unseeing):
     """Its own whole GPUs in MIG mode unseen: "what we take whole, our sandboxes track"."""
 
     @staticmethod
-    def unseen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> bool:
-        return lease.driver == asking and lease.gpu_uuid in in_mig_mode
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        return None if lease.driver == asking and lease.gpu_uuid in in_mig_mode else lease
 
 
 class _OwnInstancesOnlyRegistry(_Unseeing):
-    """Other clients' leases of MIG instances unseen: "only we split GPUs"."""
+    """Other clients' leases of MIG instances seen without their GPU: "only we split GPUs"."""
 
     @staticmethod
-    def unseen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> bool:
-        return lease.driver != asking and lease.parent_uuid is not None
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        if lease.driver != asking and lease.parent_uuid is not None:
+            return dataclasses.replace(lease, parent_uuid=None)
+        return lease
 
 
 @dataclasses.dataclass
 class _Unseen(_Held):
-    """The leases under the lock, but those ``unseen`` picks are left out of ``all``."""
+    """The leases under the lock, ``all`` as ``seen`` shows them (None: left out)."""
 
-    unseen: Callable[[Lease], bool] = lambda lease: False
+    seen: Callable[[Lease], Lease | None] = lambda lease: lease
 
     @property
     def all(self) -> list[Lease]:
-        return [lease for lease in super().all if not self.unseen(lease)]
+        return [shown for lease in super().all if (shown := self.seen(lease)) is not None]
 
 
 class InstancesBlindToOtherClientsWholeGpus(BrokenDriver):
@@ -338,6 +340,8 @@ class InstancesBlindToItsOwnWholeGpus(BrokenDriver):
 
 class WholeGpusBlindToOtherClientsInstances(BrokenDriver):
     """MIG-EXCLUSIVE-01: a GPU is busy while its own driver holds one of its instances, only.
+
+    Another client's instance it sees busy, but not as its GPU's.
 
     Who holds an instance: the sh client, with --parent.
     """
