@@ -18,6 +18,7 @@ from conformance.bad_requests import (
     COUNT_ERRORS,
     EVERY_OTHER,
     ID_ERRORS,
+    IDS_PREFIX,
     OTHER_BLOCKS,
     BadRequest,
     envelope,
@@ -29,6 +30,7 @@ from conformance.fixtures import Dropped, SandboxFactory
 from conformance.forms import (
     DEVICES,
     FORMS,
+    OF_THE_DEVICE,
     PCI_CASES,
     PROFILE_TRANSFORMS,
     TRANSFORMS,
@@ -38,11 +40,11 @@ from conformance.forms import (
     profile_near_miss,
     representatives,
 )
-from conformance.observe import assert_all_gpus_grantable, expect_refusal, uuids
+from conformance.observe import assert_all_gpus_grantable, uuids
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError, RequestError, UnsupportedGpuRequest
-from gpuhost.spec import DEVICE_IDS_KEY, SandboxSpec, block_field, parse_spec
+from gpuhost.spec import DEVICE_IDS_KEY, MIG_PROFILE_KEY, SandboxSpec, parse_spec
 
 MIG = "with --sim-mig=0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb"
 COUNTS = ("none: the default request", "1")
@@ -92,14 +94,14 @@ def _check_rejected(
         # Two GPUs in one sandbox: the driver's maximum refuses the count first.
         expected, field = UnsupportedGpuRequest, COUNT
     request = case.build(driver)
-    said = f"{what}: " if what else ""
+    said = f"{what}: " if what else f"{request}: "
     try:
         made = sandboxes(parse_spec(request))
     except DriverError as exc:
         raised = exc
     else:
-        pytest.fail(f"{said}{request} was served ({uuids(made)}); it must fail with {expected}")
-    assert isinstance(raised, expected), f"{said}{request}: expected {expected}, got {raised!r}"
+        pytest.fail(f"{said}served, with {uuids(made)}; it must fail with {_names(expected)}")
+    assert isinstance(raised, expected), f"{said}expected {_names(expected)}, got {raised!r}"
     if expected is case.error:
         value = case.value(driver)
         assert value in str(raised), f"{said}the message does not name {value!r}: {raised}"
@@ -107,8 +109,14 @@ def _check_rejected(
         assert raised.field == field, f"{said}the error names {raised.field!r}, not {field!r}"
     assert driver.sandboxes(driver.session_id) == before, f"{said}a sandbox was left behind"
     left = driver.host.leases.leases() != leases_before
-    assert not left, f"{said}the rejected {request} left a lease"
+    assert not left, f"{said}the refusal left a lease"
     return raised
+
+
+def _names(errors: type[DriverError] | tuple[type[DriverError], ...]) -> str:
+    return " or ".join(
+        error.__name__ for error in (errors if isinstance(errors, tuple) else (errors,))
+    )
 
 
 def _all_rejected_then_every_gpu_free(
@@ -243,7 +251,10 @@ def test_near_misses_of_every_form_name_no_device(
         return
     for transform in TRANSFORMS:
         for spelling, form, source in near_misses(driver, device, transform):
-            what = f"{transform} of {kind}'s {form} ({source}): {spelling!r}"
+            of = (
+                f"{kind}, {source}" if transform in OF_THE_DEVICE else f"{kind}'s {form} {source!r}"
+            )
+            what = f"{spelling!r}, {transform} of {of}"
             raised = _check_rejected(driver, sandboxes, unknown(spelling), what)
             if isinstance(raised, RequestError) and driver.capabilities.exact_ids:
                 assert raised.value == spelling, f"{what}: the error's value is {raised.value!r}"
@@ -301,12 +312,20 @@ def test_a_near_miss_of_a_profile_is_a_profile_the_host_lacks(
             spelled = profile_near_miss(profile, have, transform)
             if spelled is None:
                 continue
-            spec = SandboxSpec.with_gpus(driver=driver.name, block={"mig_profile": spelled})
-            expect_refusal(
-                driver,
-                sandboxes,
-                spec,
-                UnsupportedGpuRequest,
-                field=block_field(driver.name, "mig_profile"),
-                value=spelled,
-            )
+            what = f"{spelled!r}, {transform} of the host's {profile}"
+            refused = _check_rejected(driver, sandboxes, _profile(spelled), what)
+            assert isinstance(refused, RequestError), what
+            assert refused.value == spelled, f"{what}: the error's value is {refused.value!r}"
+
+
+def _profile(profile: str) -> BadRequest:
+    """``profile`` as the MIG profile of a count of one, which no instance of the host has."""
+    return BadRequest(
+        lambda d: {
+            "resource_requirements": gpu_request(),
+            **envelope({d.name: {MIG_PROFILE_KEY: profile}}),
+        },
+        UnsupportedGpuRequest,
+        lambda d: profile,
+        field=f"{IDS_PREFIX}.{MIG_PROFILE_KEY}",
+    )
