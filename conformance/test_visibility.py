@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
+from conformance.bad_requests import EVERY_OTHER, OTHER_BLOCKS
+from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory
 from conformance.observe import (
     NodeSeen,
@@ -20,23 +23,70 @@ from conformance.observe import (
     visible_gpu_uuids,
 )
 from drivers.base import Driver, Sandbox
-from gpuhost.spec import SHARED, SandboxSpec, parse_spec
+from gpuhost.spec import DEVICE_IDS_KEY, SHARED, SandboxSpec, parse_spec
 
 CUDA_CONTROL_NODES = frozenset({"/dev/nvidiactl", "/dev/nvidia-uvm"})
 """What CUDA opens besides a GPU's own node: without them it cannot initialise."""
+
+
+NO_GPU_REQUESTS = (
+    "nothing at all",
+    "a vendor in its own block",
+    "a MIG profile in its own block",
+    "other drivers' blocks naming GPUs",
+)
+"""Requests that ask for no GPU: a choice among GPUs, or exact IDs for other drivers, is none."""
+DIMENSIONS = {
+    "GPU-NONE-01": declared(
+        request=NO_GPU_REQUESTS,
+        neighbour=("another sandbox holds a GPU",),
+        seen_by=("the driver's report", "device nodes of every kind", "nvidia-smi"),
+    ),
+    "GPU-DEFAULT-01": declared(
+        which=("the first", "the second, while the first is held"),
+        seen_by=("the driver's report", "nvidia-smi, by UUID", "CUDA_VISIBLE_DEVICES inside"),
+    ),
+    "GPU-COUNT-01": declared(
+        count=("1", "2", "all the driver takes in one sandbox"),
+        beside=("nothing held", "a GPU another sandbox holds"),
+        sharing=("exclusive", "shared"),
+        seen_by=("the driver's report", "nvidia-smi, by UUID", "CUDA_VISIBLE_DEVICES inside"),
+    ),
+}
+
+
+def _no_gpu_request(driver: Driver, what: str) -> SandboxSpec | None:
+    """The request ``what`` (one of ``NO_GPU_REQUESTS``) for ``driver``; None if it takes none."""
+    if what == NO_GPU_REQUESTS[0]:
+        return SandboxSpec()
+    if what == NO_GPU_REQUESTS[1]:
+        block: dict[str, Any] = {"vendor": "nvidia"}
+    elif what == NO_GPU_REQUESTS[2]:
+        if not driver.capabilities.mig_profiles:
+            return None  # refused (UnsupportedGpuRequest): a block it cannot serve
+        profiles = sorted({mig.profile for mig in driver.host.mig_devices})
+        block = {"mig_profile": (profiles or ["1g.10gb"])[0]}
+    else:
+        ids = [i for gpu in driver.inventory()[:2] for i in driver.device_ids(gpu)[:1]]
+        whose = [name for name in OTHER_BLOCKS if name not in (driver.name, EVERY_OTHER)]
+        others = {name: {DEVICE_IDS_KEY: ids} for name in whose}
+        return parse_spec({"template": {"driver_config": others}})
+    return parse_spec({"template": {"driver_config": {driver.name: block}}})
 
 
 @pytest.mark.requirement("GPU-NONE-01")
 def test_no_gpu_request_sees_no_gpu(driver: Driver, sandboxes: SandboxFactory) -> None:
     """A sandbox created without a GPU request MUST contain no GPU node and see no GPU."""
     sandboxes(SandboxSpec.with_gpus())  # another sandbox holds a GPU meanwhile
-    # Plain, and with a vendor in the driver's block: a choice among GPUs asks for none.
-    vendor_only = parse_spec({"template": {"driver_config": {driver.name: {"vendor": "nvidia"}}}})
-    for spec in (SandboxSpec(), vendor_only):
+    for what in NO_GPU_REQUESTS:
+        spec = _no_gpu_request(driver, what)
+        if spec is None:
+            continue
         sandbox = sandboxes(spec)
-        assert sandbox.gpus == (), f"{spec.to_dict()} asks for no GPU; got {uuids(sandbox)}"
-        assert foreign_gpu_nodes(sandbox, driver, device_nodes(sandbox)) == []
-        assert visible_gpu_uuids(sandbox) == []
+        assert sandbox.gpus == (), f"{what} asks for no GPU; the driver gave {uuids(sandbox)}"
+        assert foreign_gpu_nodes(sandbox, driver, device_nodes(sandbox)) == [], what
+        assert visible_gpu_uuids(sandbox) == [], what
+        sandbox.close()
 
 
 @pytest.mark.requirement("GPU-DEFAULT-01")
@@ -44,16 +94,30 @@ def test_default_request_sees_exactly_one_gpu(
     sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
 ) -> None:
     """A default GPU request MUST give exactly one GPU, the one the driver reports."""
-    # The second while the first is held too: not only the lowest GPU. (The concurrency
-    # tests check what each of the sandboxes that fill the host sees.)
-    for _ in host_gpus[:2]:
-        sandbox = sandboxes(SandboxSpec.with_gpus())
-        assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
-        assert uuids(sandbox)[0] in host_gpus
-        seen = visible_gpu_uuids(sandbox)
-        assert seen == uuids(sandbox)
-        cuda = cuda_visible_uuids(sandbox, seen)
-        assert cuda == seen, f"nvidia-smi lists {seen}; CUDA_VISIBLE_DEVICES inside leaves {cuda}"
+    _assert_one_default(sandboxes, host_gpus)
+
+
+@pytest.mark.requirement("GPU-DEFAULT-01")
+@pytest.mark.gpus(2)
+def test_a_second_default_while_the_first_is_held_sees_exactly_one_gpu(
+    sandboxes: SandboxFactory, host_gpus: tuple[str, ...]
+) -> None:
+    """The second default request, while the first is held, MUST give exactly one GPU too."""
+    # Not only the lowest GPU. (The concurrency tests check what each of the sandboxes that
+    # fill the host sees.)
+    sandboxes(SandboxSpec.with_gpus())
+    _assert_one_default(sandboxes, host_gpus)
+
+
+def _assert_one_default(sandboxes: SandboxFactory, host_gpus: tuple[str, ...]) -> None:
+    __tracebackhide__ = True
+    sandbox = sandboxes(SandboxSpec.with_gpus())
+    assert len(sandbox.gpus) == 1, f"the driver reports {uuids(sandbox)}"
+    assert uuids(sandbox)[0] in host_gpus
+    seen = visible_gpu_uuids(sandbox)
+    assert seen == uuids(sandbox)
+    cuda = cuda_visible_uuids(sandbox, seen)
+    assert cuda == seen, f"nvidia-smi lists {seen}; CUDA_VISIBLE_DEVICES inside leaves {cuda}"
 
 
 def _counts(driver: Driver) -> list[int]:

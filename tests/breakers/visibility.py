@@ -12,11 +12,18 @@ import os
 import stat
 from collections.abc import Sequence
 
-from drivers.base import Launch
+from drivers.base import Launch, Sandbox
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import SIMULATED_DRM_MAJOR, GpuDevice
-from gpuhost.spec import DriverRequest, GpuPlan, GpuRequest
-from tests.breakers.base import BrokenDriver, with_binds
+from gpuhost.spec import (
+    CHOICE_KEYS,
+    DEVICE_IDS_KEY,
+    DriverRequest,
+    GpuPlan,
+    GpuRequest,
+    SandboxSpec,
+)
+from tests.breakers.base import BrokenDriver, class_name, family, with_binds
 
 
 class GpuWithoutRequest(BrokenDriver):
@@ -28,16 +35,32 @@ class GpuWithoutRequest(BrokenDriver):
         return super().plan(request) or GpuPlan(count=1)
 
 
-class ChoiceKeyImpliesRequest(BrokenDriver):
-    """GPU-NONE-01: a vendor or mig_profile in its block, with no GPU request, still gets a GPU."""
+def _implies_a_request(key: str) -> type[BrokenDriver]:
+    class ImpliesARequest(BrokenDriver):
+        __doc__ = f"GPU-NONE-01: a {key} in its block, with no GPU request, still gets a GPU."
+        BREAKS = "GPU-NONE-01"
+
+        def plan(self, request: DriverRequest) -> GpuPlan | None:
+            if request.gpu is None and key in request.config:
+                request = dataclasses.replace(request, gpu=GpuRequest())
+            return super().plan(request)
+
+    ImpliesARequest.__name__ = ImpliesARequest.__qualname__ = f"{class_name(key)}ImpliesARequest"
+    return ImpliesARequest
+
+
+family(globals(), CHOICE_KEYS, _implies_a_request)
+
+
+class OtherBlocksImplyARequest(BrokenDriver):
+    """GPU-NONE-01: device IDs in other drivers' blocks, with no GPU request, still get a GPU."""
 
     BREAKS = "GPU-NONE-01"
 
-    def plan(self, request: DriverRequest) -> GpuPlan | None:
-        block = request.config
-        if request.gpu is None and ("mig_profile" in block or "vendor" in block):
-            request = dataclasses.replace(request, gpu=GpuRequest())
-        return super().plan(request)
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        if spec.gpu is None and any(DEVICE_IDS_KEY in b for b in spec.driver_config.values()):
+            spec = dataclasses.replace(spec, gpu=GpuRequest())
+        return super().create(spec)
 
 
 class AllGpusOnDefault(BrokenDriver):
