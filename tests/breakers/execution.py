@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 from typing import ClassVar
@@ -24,8 +25,10 @@ from drivers.base import (
     CommandTimedOut,
     Output,
 )
+from drivers.host_process import HOST_ENV, tool
 from drivers.reference import ReferenceSandbox
-from gpuhost.procfs import EXEC_MARKER_ENV, each_process, marked_processes
+from drivers.reference_sandbox import NAMESPACES
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process, kill_marked, marked_processes
 from tests.breakers.base import BrokenDriver, family
 
 
@@ -298,6 +301,47 @@ class OnePath(ReferenceSandbox):
 
 def way_name(way: str) -> str:
     return "ExecStream" if way == "exec_stream" else "Exec"
+
+
+class EnteredOnOnePath(ReferenceSandbox):
+    """On ``BROKEN_ON`` alone, a command is entered otherwise than the reference enters it.
+
+    nsenter takes ``ENTER`` (the reference: every namespace, its root and working directory),
+    then ``BEFORE_SETPRIV`` runs as the host's root before the command becomes the sandbox's
+    user. Run by root, as the catalogue's planted breakers are.
+    """
+
+    BROKEN_ON: ClassVar[str]
+    ENTER: ClassVar[tuple[str, ...]] = (*NAMESPACES, "--root", "--wd")
+
+    def before_setpriv(self) -> list[str]:
+        return []
+
+    def run(self, command: Command, output: Output) -> int:
+        if (output.fds is None) != (self.BROKEN_ON == "exec"):
+            return super().run(command, output)
+        assert os.geteuid() == 0, "a planted breaker that enters sandboxes as root"
+        env = self.command_env(command)
+        argv = [
+            tool("nsenter"), f"--target={self._child_pid}", *self.ENTER, *self.before_setpriv(),
+            "setpriv", *self._as_sandbox_user, *self.exec_privileges, "--",
+            "env", "-i", *(f"{key}={value}" for key, value in env.items()), *command.argv,
+        ]  # fmt: skip
+        stdout, stderr = output.fds or (subprocess.PIPE, subprocess.PIPE)
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=HOST_ENV,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return output.read_from(process, command.timeout)
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            kill_marked(command.needle)
+            process.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise CommandTimedOut from None
+            raise
 
 
 def _hides_exit_code(way: str) -> type[BrokenDriver]:
