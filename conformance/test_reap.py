@@ -184,14 +184,14 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver, dropped: Dropped) ->
                 dropped(
                     "a lease of the driver's in each neighbour session, and another client's "
                     "in the reaped session",
-                    f"{gpus} GPU: none to spare beside the reaped session's",
+                    f"{_gpus(gpus)}: none to spare beside the reaped session's",
                 )
             if len(free) >= 2:
                 neighbours.create(gpu_for=NEIGHBOUR_FORMS[0])
             else:
                 dropped(
                     "a neighbour session's sandbox holding a GPU, in use",
-                    f"{gpus} GPUs: none left for it beside the reaped session's and the leases",
+                    f"{_gpus(gpus)}: none left for it beside the reaped session's and the leases",
                 )
                 neighbours.create(gpu_for=None)
             other.reap(session)
@@ -215,6 +215,10 @@ def test_reap_leaves_nothing_of_the_session(driver: Driver, dropped: Dropped) ->
                 sandbox.close()  # harmless after reap or close
             other.reap(session)
     assert_all_gpus_grantable(driver, after=f"reaping session {session}")
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 def _leases_of(driver: Driver, sandbox_id: str) -> list[str]:
