@@ -299,30 +299,30 @@ def test_exec_kills_a_command_past_its_timeout(
         chatty = f"i=0; while [ $i -lt 60 ]; do echo {marker}; sleep 0.2; i=$((i + 1)); done"
         # Deaf to every signal it may ignore, as are its children: only SIGKILL ends them.
         deaf = ["sh", "-c", f"trap '' HUP INT QUIT TERM; setsid sleep {marker} & {chatty}"]
-        # A kill at the timeout costs about a command that does nothing, there and back; a
-        # neighbour runs beside it (two in flight).
-        lanes = settings.lanes_at_once
-        bound = kill_bound_s(TIMEOUT_S, round_trip_s(functools.partial(run, ["true"])), 2, lanes)
         with ThreadPoolExecutor(1) as pool:
             # Another command of the sandbox, running meanwhile, is not the timeout's to kill.
-            # (It ends by itself: a driver may run a sandbox's commands one after the other.)
+            # (It ends by itself: a driver may run a sandbox's commands one after the other,
+            # so this one may wait for it: how long it takes is not timed here.)
             neighbour = pool.submit(run, ["sh", "-c", "sleep 2; echo survived"], timeout=60)
-            took = _timed_out(run, deaf)
-            # One that would end by itself, past its timeout but well within that bound: a
-            # timeout is not raised to a floor of the driver's.
-            took_plain = _timed_out(run, ["sleep", "3"])
+            _timed_out(run, deaf)
             beside = neighbour.result()
-        if max(took, took_plain) >= bound:
-            # A moment the machine was busy is not the driver's pace: once more, afresh.
+        # Alone, it ends within what a kill at its timeout needs: about what a command that
+        # does nothing takes there and back, a few times over. So does one that would end by
+        # itself past its timeout: a timeout is not raised to a floor of the driver's.
+        for _ in range(2):
             bound = kill_bound_s(
-                TIMEOUT_S, round_trip_s(functools.partial(run, ["true"])), 1, lanes
-            )
-            took, took_plain = _timed_out(run, deaf), _timed_out(run, ["sleep", "3"])
-        for what, spent in (("deaf to every signal it may ignore", took), ("plain", took_plain)):
+                TIMEOUT_S, round_trip_s(functools.partial(run, ["true"]), tries=5), 1,
+                settings.lanes_at_once,
+            )  # fmt: skip
+            took = {"deaf to every signal it may ignore": _timed_out(run, deaf)}
+            took["plain"] = _timed_out(run, ["sleep", "3"])
+            if max(took.values()) < bound:
+                break  # else a moment the machine was busy: once more, measured afresh
+        for what, spent in took.items():
             assert spent < bound, (
                 f"through {way}, a command given {TIMEOUT_S:g} s ({what}) took {spent:.2f} s "
-                f"to time out; a kill at its timeout needs {bound:.2f} s (the timeout, then "
-                f"{SLOWEST_FACTOR:g} round trips of `true` here, per command in flight and lane)"
+                f"to time out, twice; a kill at its timeout needs {bound:.2f} s (the timeout, "
+                f"then {SLOWEST_FACTOR:g} round trips of `true` here, per lane)"
             )
         assert (beside.returncode, beside.stdout.strip()) == (0, "survived"), (
             f"a command running beside the one that timed out ({way}) was ended too: {beside}"
