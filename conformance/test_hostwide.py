@@ -275,12 +275,10 @@ def _locked_directory(path: Path) -> Iterator[None]:
 def test_nothing_is_granted_while_another_client_holds_the_registry_lock(
     driver: Driver, sandboxes: SandboxFactory, who: str
 ) -> None:
-    """Every grant MUST hold flock on the registry's directory: none while another client does.
-
-    The lock is held until the create gives up, however long it waits: a client that takes
-    the lock from its holder after any time grants meanwhile. The protocol's clients wait
-    30 s, then fail naming the holder.
-    """
+    """Every grant MUST hold flock on the registry's directory: none while another client does."""
+    # The lock is held until the create gives up, however long it waits: a client that takes
+    # the lock from its holder after any time grants meanwhile. The protocol's clients wait
+    # 30 s, then fail naming the holder.
     # flock and POSIX record locks (lockf, fcntl F_SETLK) do not see each other on Linux: a
     # driver that locks the file another way races every other client of the protocol.
     directory = driver.host.leases.directory

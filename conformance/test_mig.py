@@ -338,10 +338,8 @@ def _instance_held(
 def test_a_held_instance_excludes_its_gpu_and_nothing_else(
     driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, who: str
 ) -> None:
-    """An instance anyone holds MUST be busy in every form, and its GPU whole too, in every process.
-
-    Its siblings stay free, and closing one of them leaves it held.
-    """
+    """An instance anyone holds MUST be busy in every form, and its GPU whole too, in every process."""
+    # Its siblings stay free, and closing one of them leaves it held.
     parent, migs = _most_split(driver)
     instance = migs[-1]
     holds = f"{who} holds {instance.describe()}"
