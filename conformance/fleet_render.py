@@ -314,7 +314,9 @@ def write(fleet: Fleet, out: Path) -> list[Path]:
     """The fleet's four files in ``out``, each made new and renamed over its path."""
     paths = [out / name for name in FILES]
     text = (
-        json.dumps(fleet.to_json(), indent=1) + "\n",
+        # Compact: it holds every host's report whole (14 MB at 200 hosts), and an indent
+        # turns json's C encoder off (1.3 s against 0.5 s there).
+        json.dumps(fleet.to_json(), separators=(",", ":")) + "\n",
         None,
         to_html(fleet),
         to_markdown(fleet),
