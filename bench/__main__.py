@@ -12,6 +12,9 @@
    other grant an exclusive MIG instance, the others a shared whole GPU, where a grant
    weighs instances against their GPUs and shared leases against their limit. Target: at
    least 2,000/s.
+5. A fleet report's merge (``gpu-sandbox report merge``) of 200 hosts' reports, copies of
+   the lane's renamed, beside a merge of one: time and peak memory, medians
+   (``bench/fleet.py``). Target: at most 10 s.
 
 Runs on a simulated GPU host of its own, in a temporary directory.
 """
@@ -30,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.fleet import print_fleet
 from bench.lane import time_lane
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
@@ -81,10 +85,13 @@ def bench_lifecycle(host: GpuHost, iterations: int) -> tuple[float, float]:
     return interleaved_medians(lambda: sandbox_lifecycle(driver), bare, iterations, warm_up=5)
 
 
-def bench_lane(sim_root: Path, runs: int) -> list[float]:
+def bench_lane(sim_root: Path, runs: int, report: Path) -> list[float]:
+    """The lane's times; its last run's report is left at ``report`` (for 5, the fleet)."""
     times = []
     for _ in range(runs):
-        run = time_lane("--driver=reference", f"--sim-root={sim_root}")
+        run = time_lane(
+            "--driver=reference", f"--sim-root={sim_root}", f"--conformance-json={report}"
+        )
         times.append(run.seconds)
         if run.returncode != 0:
             sys.exit(f"the reference lane failed:\n{run.output[-3000:]}")
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lane-runs", type=int, default=3, help="full reference lane runs")
     parser.add_argument("--registry-seconds", type=float, default=3.0)
     parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--fleet-hosts", type=int, default=200, help="reports merged in 5")
+    parser.add_argument("--fleet-runs", type=int, default=5, help="merges timed of each size")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   bare bwrap <same mounts> true                  {bare * 1000:8.2f} ms")
         print(f"   ratio {ours / bare:.2f}x  (target <= 3x)")
 
-        lane = bench_lane(sim.root, args.lane_runs)
+        report = Path(tmp) / "reference-lane.json"
+        lane = bench_lane(sim.root, args.lane_runs, report)
         print(f"\n2. full reference lane (pytest conformance --driver=reference), {len(lane)} runs")
         runs = ", ".join(f"{t:.2f}" for t in lane)
         print(f"   median {statistics.median(lane):.2f} s  runs {runs}  (target <= 20 s)")
@@ -220,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 mig.root, Path(run), args.processes, args.registry_seconds, False, mixed=True
             )
         print(f"   {rate:,.0f} grant+release/s; exhausted {exhausted}  (target >= 2,000/s)")
+
+        print(f"\n5. gpu-sandbox report merge: {args.fleet_hosts} hosts' reports beside one")
+        print_fleet(report, args.fleet_hosts, args.fleet_runs)
     return 0
 
 

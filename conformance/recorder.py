@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from conformance import requirements
+from conformance import identity, requirements
 from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
 from conformance.report import Entry, Results, entry
 from conformance.settings import Settings, driver_of, gpu_properties, settings_key
@@ -110,6 +110,7 @@ def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
             "gpu_model": gpus["gpu_model"],
             "gpu_count": gpus["gpu_count"],
             "require_complete": config.getoption("--require-complete"),
+            **identity.header(host),
         },
         drivers={
             name: {"version": _version(cls, settings), "explicit": settings.explicit}

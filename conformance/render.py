@@ -16,9 +16,9 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from conformance.report import Cell, Results, Status
@@ -51,11 +51,33 @@ def visible(text: str) -> str:
 
 
 def gpus_line(results: Results) -> str:
-    header = results.header
-    if not header.get("gpu_count"):
-        return "no GPUs found"
+    return gpus_of(results.header)
+
+
+def gpus_of(header: Mapping[str, Any]) -> str:
+    """A report's GPUs in one line: each vendor's and model's, MIG, driver, real or simulated.
+
+    ``8 x NVIDIA H100 80GB HBM3 (nvidia; 2 in MIG mode: 8 x 1g.10gb, 3 x 2g.20gb; driver
+    simulated), 2 x AMD Instinct MI210 (amd; driver simulated) (SIMULATED)``; a report of a
+    suite before ``gpus`` was recorded gives its NVIDIA GPUs alone.
+    """
     kind = "SIMULATED" if header.get("simulated") else "real"
-    return f"{header['gpu_count']} x {header['gpu_model']} ({kind})"
+    groups = header.get("gpus")
+    if groups is None:
+        if not header.get("gpu_count"):
+            return "no GPUs found"
+        return f"{header['gpu_count']} x {header['gpu_model']} ({kind})"
+    if not groups:
+        return f"no GPUs found ({kind})"
+    parts = []
+    for group in groups:
+        said = [str(group["vendor"])]
+        if group["mig_gpus"]:
+            instances = ", ".join(f"{n} x {p}" for p, n in group["mig_instances"].items())
+            said.append(f"{group['mig_gpus']} in MIG mode: {instances or 'no instance'}")
+        said.append(f"driver {group['driver']}")
+        parts.append(f"{group['count']} x {group['model']} ({'; '.join(said)})")
+    return f"{', '.join(parts)} ({kind})"
 
 
 NOTHING_RAN = "FAIL: no driver could run here; every conformance test was skipped."

@@ -146,7 +146,8 @@ class Results:
     """A run's results: the JSON document's content, and what follows from it."""
 
     header: dict[str, Any]
-    """session, host, hostname, generated, gpu_model, gpu_count, simulated, require_complete"""
+    """session, host, hostname, generated, gpu_model, gpu_count, simulated, require_complete;
+    catalogue, host_id and gpus (``conformance.identity``), which a fleet report needs"""
     drivers: dict[str, dict[str, Any]]
     """driver → version, explicit (named in --driver)"""
     requirements: list[dict[str, Any]]
@@ -336,6 +337,18 @@ _ENTRY_TEXT = (
     "dropped",
 )  # fmt: skip
 _ENTRY_OPTIONAL = ("declared", "dropped")
+_GPU_GROUP = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["vendor", "model", "count", "mig_gpus", "mig_instances", "driver"],
+    "properties": {
+        **{key: _TEXT for key in ("vendor", "model", "driver")},
+        "count": {"type": "integer", "minimum": 1},
+        "mig_gpus": {"type": "integer", "minimum": 0},
+        "mig_instances": {"type": "object", "additionalProperties": {"type": "integer"}},
+    },
+}
+"""One vendor and model of the host's GPUs (``conformance.identity.gpu_groups``)."""
 RESULTS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -345,6 +358,9 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "simulated": {"type": "boolean"},
         "require_complete": {"type": "boolean"},
         "gpu_count": {"type": "integer", "minimum": 0},
+        "catalogue": {"type": "string", "pattern": "^sha256:[0-9a-f]{16}$"},
+        "host_id": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+        "gpus": {"type": "array", "items": _GPU_GROUP},
         "drivers": {
             "type": "object",
             "additionalProperties": {

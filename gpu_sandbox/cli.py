@@ -37,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from gpu_sandbox import report
 from gpu_sandbox.flags import GpuFlags, flag_of, flag_text, spec_dict
 from gpu_sandbox.options import DEFAULT_REQUEST, EXIT_USAGE, NO_TIMEOUT_S, PROG, parser
 from gpuhost.errors import FIELD_LIMIT, PATH_LIMIT, named, shown
@@ -70,7 +71,8 @@ class Interrupted(BaseException):
 
 def main(argv: Sequence[str] | None = None) -> int:
     top = parser(
-        {"run": run_command, "spec": spec_command, "gpus": gpus_command, "reap": reap_command}
+        {"run": run_command, "spec": spec_command, "gpus": gpus_command, "reap": reap_command},
+        (report.register,),
     )
     args, extra = top.parse_known_args(argv)
     if extra:

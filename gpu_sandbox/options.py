@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -57,8 +57,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
-def parser(handlers: Mapping[str, Command]) -> argparse.ArgumentParser:
-    """The command line's parser; ``handlers`` the function of each command, by name."""
+def parser(
+    handlers: Mapping[str, Command], modules: Sequence[Callable[[Any], None]] = ()
+) -> argparse.ArgumentParser:
+    """The command line's parser; ``handlers`` the function of each command, by name.
+
+    ``modules``: a command in a module of its own adds itself (``gpu_sandbox.report``).
+    """
     host = _Parser(add_help=False)
     group = host.add_argument_group("the GPU host")
     group.add_argument(
@@ -207,6 +212,8 @@ def parser(handlers: Mapping[str, Command]) -> argparse.ArgumentParser:
     )
     reap.add_argument("--image", help="the image, for drivers that take one")
     reap.set_defaults(command=handlers["reap"])
+    for module in modules:
+        module(commands)
     return top
 
 

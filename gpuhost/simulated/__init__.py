@@ -36,6 +36,8 @@ Optionally (``mig``, ``dri``), as real hosts have them:
   links, PCI records under ``sys/bus/pci/devices`` as sysfs has them, ``dev/kfd`` for AMD,
   and ``share/bin/dri-gpus``, a stand-in probe that reports which DRI GPUs a sandbox can
   open, identified by the numbers of the nodes it sees, as the kernel identifies them.
+  With ``count`` 0 they are the host's only GPUs (``--count 0 --dri amd:2``), as on an AMD
+  host: no NVIDIA node, control node or CDI device (nothing is registered with the engines).
 
 ``setup(..., cdi_dir=Path("/var/run/cdi"))`` also registers the CDI spec with the container
 engines, as ``gpu-sandbox-sim-<token>.yaml``; any number of simulated hosts can be
@@ -102,8 +104,11 @@ def setup(
     With ``owner`` (a run's process), ``sweep`` removes the host once the owner is gone.
     """
     mig, dri = dict(mig or {}), dict(dri or {})
-    if count < 1:
-        raise SimulatedHostError(f"count must be at least 1, got {count}")
+    if count < 1 and not (count == 0 and dri):
+        raise SimulatedHostError(
+            f"count must be at least 1, got {count} (0 only beside AMD or Intel GPUs: a host "
+            "without NVIDIA's)"
+        )
     check_layouts(count, mig, dri)
     if root.exists():
         teardown(root)
@@ -120,10 +125,11 @@ def setup(
         minor = gpu_minor(position, count)
         rows.append((minor, f"GPU-{uuid.uuid4()}", MODEL, bus_id(position), MEMORY_MIB))
         mknod(dev / f"nvidia{minor}", NVIDIA_MAJOR, minor)
-    for name, major, minor in CONTROL_NODES:
+    control = CONTROL_NODES if count else ()  # a host without NVIDIA GPUs has no nvidiactl
+    for name, major, minor in control:
         mknod(dev / name, major, minor)
     (root / "share" / "control-nodes.tsv").write_text(
-        "# name\tmajor\tminor\n" + "".join(f"{n}\t{ma}\t{mi}\n" for n, ma, mi in CONTROL_NODES)
+        "# name\tmajor\tminor\n" + "".join(f"{n}\t{ma}\t{mi}\n" for n, ma, mi in control)
     )
     (root / "share" / "inventory.tsv").write_text(
         "# minor\tuuid\tname\tpci.bus_id\tmemory.total [MiB]\n"
@@ -146,7 +152,7 @@ def setup(
     host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
     host.lease_dir.mkdir()
     host.lease_dir.chmod(0o1777)  # every user's sandboxes may take its GPUs (lease protocol)
-    if cdi_dir is not None:
+    if cdi_dir is not None and count:  # CDI names NVIDIA's devices: none to register without
         cdi_dir.mkdir(parents=True, exist_ok=True)
         prune_registrations(cdi_dir)
         registered = cdi_dir / f"{REGISTERED_PREFIX}{token}.yaml"
@@ -325,12 +331,9 @@ def cdi_spec(host: SimulatedHost) -> dict[str, object]:
         edits = {"deviceNodes": [node(n) for n in device.nodes]}
         for name in device.cdi_names:
             devices.append({"name": name.partition("=")[2], "containerEdits": edits})
-    devices.append(
-        {
-            "name": "all",
-            "containerEdits": {"deviceNodes": [node(n) for gpu in host.gpus for n in gpu.nodes]},
-        }
-    )
+    if host.gpus:
+        every = [node(n) for gpu in host.gpus for n in gpu.nodes]
+        devices.append({"name": "all", "containerEdits": {"deviceNodes": every}})
     return {
         "cdiVersion": "0.5.0",
         "kind": host.cdi_kind,

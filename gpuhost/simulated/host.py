@@ -76,6 +76,9 @@ class SimulatedHost:
 
     @property
     def control_nodes(self) -> tuple[DeviceNode, ...]:
+        """NVIDIA's control nodes; none on a host of AMD and Intel GPUs alone."""
+        if not self.gpus:
+            return ()
         return tuple(
             DeviceNode(f"/dev/{name}", major, minor, str(self.root / "dev" / name))
             for name, major, minor in CONTROL_NODES

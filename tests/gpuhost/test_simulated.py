@@ -319,6 +319,24 @@ def test_count_below_one_is_rejected(tmp_path: Path, count: int) -> None:
     assert not (tmp_path / "root").exists()
 
 
+def test_a_host_of_amd_gpus_alone_has_nothing_of_nvidia(tmp_path: Path) -> None:
+    registry = tmp_path / "cdi"
+    host = setup(tmp_path / "root", 0, registry, dri=parse_dri_layout("amd:2"))
+    assert host.gpus == ()
+    assert host.mig_devices == ()
+    assert host.control_nodes == ()
+    assert [(gpu.vendor, gpu.pci_bus_id) for gpu in host.dri_gpus] == [
+        ("amd", "0000:c1:00.0"),
+        ("amd", "0000:c3:00.0"),
+    ]
+    assert sorted(p.name for p in (host.root / "dev").iterdir()) == ["dri", "kfd"]
+    assert yaml.safe_load(host.cdi_spec.read_text())["devices"] == []
+    assert not registry.exists(), "a spec of no device was registered with the engines"
+    assert load(host.root) == host
+    teardown(host.root)
+    assert not host.root.exists()
+
+
 def test_teardown_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
     precious = tmp_path / "precious"
     precious.mkdir()
