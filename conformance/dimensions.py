@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 
 import conformance
@@ -74,11 +74,22 @@ def markdown(dimensions: Dimensions, order: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_of(page: str) -> tuple[int, int]:
+    """Where the "Dimensions" section of a page begins and ends (up to the next ``## ``)."""
+    start = page.index(HEADING)
+    end = page.find("\n## ", start + len(HEADING))
+    return start, len(page) if end < 0 else end + 1
+
+
 def main() -> int:
+    """Write the "Dimensions" section of docs/catalogue.md from the test modules."""
     from conformance import requirements
 
+    page_path = Path(conformance.__file__).parent.parent / "docs" / "catalogue.md"
     order = [req.id for req in requirements.load().requirements]
-    sys.stdout.write(markdown(collect(), order))
+    page = page_path.read_text()
+    start, end = section_of(page)
+    page_path.write_text(page[:start] + markdown(collect(), order) + page[end:])
     return 0
 
 

@@ -37,7 +37,15 @@ DIMENSIONS = {
     "SANDBOX-REAP-01": declared(
         reaped_from=("a fresh process, its creator killed between creating and starting it",),
         of_the_session=("a container created, never started (the engine's `ps --all`)",),
-    )
+    ),
+    "GPU-ORACLE-01": declared(
+        gpu=("every GPU of the host, by the first ID the driver names it by",),
+        compared=("`nvidia-smi -L` inside, MIG devices too, against the engine's own run",),
+    ),
+    "GPU-ALL-01": declared(
+        request=("the default (one GPU, never all)", "the kind's `all` name, asked explicitly"),
+        then_refused=("a default request", "each MIG profile of the host"),
+    ),
 }
 
 

@@ -15,10 +15,8 @@ def test_the_catalogue_page_lists_the_declared_dimensions() -> None:
     expected = dimensions.markdown(dimensions.collect(), order)
     page = CATALOGUE.read_text()
     assert dimensions.HEADING in page, f"{CATALOGUE} has no {dimensions.HEADING!r} section"
-    section = page[page.index(dimensions.HEADING) :]
-    end = section.find("\n## ", len(dimensions.HEADING))
-    section = section if end < 0 else section[: end + 1]
-    assert section == expected
+    start, end = dimensions.section_of(page)
+    assert page[start:end] == expected
 
 
 def test_declared_dimensions_name_requirements_of_the_golden_list() -> None:
