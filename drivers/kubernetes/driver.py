@@ -56,6 +56,7 @@ from drivers.kubernetes.turn import (
     TURN_TIMEOUT_S,
     CatalogueTurn,
 )
+from gpuhost import environ
 from gpuhost.devices import GpuDevice, gpus_from_json
 from gpuhost.errors import (
     DriverError,
@@ -77,10 +78,6 @@ _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "Inval
 _START_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 
 
-def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name) or default)
-
-
 class KubernetesDriver(ClusterDriver):
     name = "kubernetes"
     exhaustion_grace_s = 3.0
@@ -88,8 +85,8 @@ class KubernetesDriver(ClusterDriver):
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         super().__init__(host, session_id, image)
-        self.start_timeout_s = _env_float("GPU_SANDBOX_K8S_START_TIMEOUT_S", START_TIMEOUT_S)
-        self.turn_timeout_s = _env_float("GPU_SANDBOX_K8S_TURN_TIMEOUT_S", TURN_TIMEOUT_S)
+        self.start_timeout_s = environ.seconds("GPU_SANDBOX_K8S_START_TIMEOUT_S", START_TIMEOUT_S)
+        self.turn_timeout_s = environ.seconds("GPU_SANDBOX_K8S_TURN_TIMEOUT_S", TURN_TIMEOUT_S)
         self.turn_lease = CATALOGUE_LEASE
         self.turn_duration_s = TURN_DURATION_S
         self._known_gpus: dict[str, GpuDevice] = {}

@@ -43,6 +43,7 @@ from drivers.vm.qemu import (
 )
 from drivers.vm.sandbox import VmSandbox
 from drivers.vm.template import BOOT_ENV, BOOT_TIMEOUT_S, COLD, SNAPSHOT, resumed_memory, template
+from gpuhost import environ
 from gpuhost.devices import GpuDevice, normalize_pci_bus_id
 from gpuhost.errors import (
     GpuBusy,
@@ -78,7 +79,7 @@ class VmDriver(Driver):
         self.run_dir = Path(named or _default_run_dir())
         self.run_dir_refused = "" if named or os.geteuid() == 0 else _own_run_dir(self.run_dir)
         """Why the default run directory of a user other than root is not used, if it is not."""
-        self.memory_mib = int(os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY_MIB)
+        self.memory_mib = environ.integer(MEMORY_ENV, DEFAULT_MEMORY_MIB, minimum=64)
         self.passthrough = passthrough_for(host, self.run_dir)
         self._accel: tuple[str, str] | None = None
 

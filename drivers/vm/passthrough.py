@@ -34,6 +34,7 @@ from typing import ClassVar
 from drivers.host_process import HOST_PATH
 from drivers.vm.image import GUEST_PATH, cpio, with_overlay
 from drivers.vm.template import COLD, SNAPSHOT
+from gpuhost import environ
 from gpuhost.devices import GpuDevice, sorted_by_pci
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder
@@ -299,5 +300,5 @@ def passthrough_for(host: GpuHost, run_dir: Path) -> Passthrough:
     """The strategy for ``host``: VFIO on a real host, the PCI proxy on a simulated one."""
     if host.simulated is not None:
         return SimulatedPassthrough(host.simulated, run_dir)
-    rebind = os.environ.get(REBIND_ENV) == "1"
+    rebind = environ.flag(REBIND_ENV)
     return VfioPassthrough(VfioBinder(host.config.state_directory(), rebind=rebind))

@@ -35,6 +35,7 @@ from pathlib import Path
 from drivers.host_process import HOST_ENV, SandboxProcesses, tool
 from drivers.vm.agent import CONTROL_PORT, EXEC_PORT, Channel
 from drivers.vm.image import GuestImage
+from gpuhost import environ
 from gpuhost.leases import boot_id
 from gpuhost.spawn import spawn
 from gpuhost.wait import wait_for
@@ -289,7 +290,7 @@ _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
 
 def decide_acceleration(run_dir: Path, image: Callable[[], GuestImage]) -> tuple[str, str]:
     """``("kvm" | "tcg", why)``: asked for, or decided by a probe of ``image()`` once per boot."""
-    wanted = (os.environ.get(ACCEL_ENV) or "auto").lower()
+    wanted = environ.choice(ACCEL_ENV, ("auto", "kvm", "tcg"), "auto")
     if wanted in ("kvm", "tcg"):
         return wanted, f"{ACCEL_ENV}={wanted}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
