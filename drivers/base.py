@@ -30,6 +30,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from drivers.commands import DEFAULT_EXEC_TIMEOUT_S as DEFAULT_EXEC_TIMEOUT_S
@@ -180,6 +181,14 @@ class Driver(ABC):
     @abstractmethod
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         """The exact, driver-native IDs that name ``gpu`` in ``gpu_device_ids``."""
+
+    def sees(self, path: Path) -> bool:
+        """Whether a sandbox's commands can read ``path`` of the host, at that path.
+
+        Only a driver whose sandboxes see the host's files (``capabilities.host_filesystem``)
+        can; it says which.
+        """
+        return False
 
     def device_ids_offline(self, gpu: GpuDevice) -> tuple[str, ...]:
         """``device_ids`` as far as they can be told without asking an engine or a server.

@@ -99,6 +99,7 @@ class ReferenceDriver(Driver):
             shared=True,
             mig_profiles=True,
             vendors=VENDORS,
+            host_filesystem=True,
         )
 
     def probe(self) -> Availability:

@@ -200,6 +200,9 @@ class DriverCapabilities:
     config_keys: tuple[str, ...] = ()
     """Keys of its own block that it reads, and checks itself, beside ``gpu_device_ids``,
     ``mig_profile`` and ``vendor``; any other key is refused as unknown."""
+    host_filesystem: bool = False
+    """Its sandboxes see the host's files at their own paths, read-only (a jail, not an
+    image): the suite's own interpreter can run inside, where ``Driver.sees`` says so."""
 
     @property
     def id_keys(self) -> tuple[str, ...]:

@@ -14,7 +14,6 @@ import pytest
 
 from conformance import requirements
 from drivers.base import Driver
-from drivers.reference import ReferenceDriver
 from workloads.manifest import MANIFEST, Workload, load_manifest
 
 LANE_MODULE = "workloads.test_workloads"
@@ -73,7 +72,7 @@ def workload_python(pytestconfig: pytest.Config, driver: Driver) -> str:
     chosen: str | None = pytestconfig.getoption("--workload-python")
     if chosen:
         return chosen
-    if not isinstance(driver, ReferenceDriver):
+    if not driver.capabilities.host_filesystem:
         return "python3"
     prefix = Path(sys.prefix).resolve()
     if not driver.sees(prefix) or not driver.sees(Path(sys.base_prefix).resolve()):
