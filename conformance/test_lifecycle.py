@@ -1,21 +1,31 @@
-"""GPUs come back: on close, when a sandbox is killed, when its creator dies."""
+"""GPUs come back: on close, when a sandbox is killed, from outside too, when its creator dies.
+
+Every way a sandbox ends is ``conformance.endings``'s.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from conformance.fixtures import SandboxFactory
+from conformance.dimensions import declared
+from conformance.endings import CLOSE, CREATOR, IDS, KILLED, end
+from conformance.fixtures import Dropped, SandboxFactory
 from conformance.hold import HeldSandbox
-from conformance.observe import (
-    kill_and_retake,
-    retake,
-    specs_for_all_gpus,
-    uuids,
-)
+from conformance.observe import retake, specs_for_all_gpus, uuids
 from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.errors import GpusExhausted
 from gpuhost.spec import SandboxSpec
+
+BIGGEST = "the biggest request, every other GPU held meanwhile"
+DIMENSIONS = {
+    "GPU-RELEASE-01": declared(
+        how_it_ends=(CLOSE, "its close() again, once another sandbox holds its GPUs"),
+        what_it_held=("every GPU, in as few sandboxes as the driver allows", "one GPU"),
+    ),
+    "GPU-RECLAIM-01": declared(how_it_ends=KILLED, what_it_held=(BIGGEST,)),
+    "GPU-RECLAIM-02": declared(how_it_ends=(CREATOR,), what_it_held=(BIGGEST,)),
+}
 
 
 @pytest.mark.requirement("GPU-RELEASE-01")
@@ -76,19 +86,28 @@ def _take_the_other_gpus(driver: Driver, sandboxes: SandboxFactory) -> None:
 
 
 @pytest.mark.requirement("GPU-RECLAIM-01")
+@pytest.mark.parametrize("way", KILLED, ids=[IDS[way] for way in KILLED])
 def test_killed_sandbox_gpus_are_reclaimed(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, way: str
 ) -> None:
-    """The GPUs of a sandbox whose processes were SIGKILLed MUST go to the next request."""
+    """The GPUs of a sandbox SIGKILLed by its driver or from outside MUST go to the next request."""
+    # From outside: the host kills its init, or its outermost host process, or the kernel's
+    # OOM killer its init; its driver is told nothing of it.
     spec = _biggest_request(driver)
     victim = sandboxes(spec)
     _take_the_other_gpus(driver, sandboxes)
-    successor = kill_and_retake(sandboxes, victim, spec, settings.reclaim_timeout_s)
+    if not end(way, victim, sandboxes, dropped):
+        return
+    successor = retake(
+        lambda: sandboxes(spec),
+        settings.reclaim_timeout_s,
+        f"the GPUs of sandbox {victim.id} ({', '.join(uuids(victim))}) to come back after {way}",
+    )
     assert set(uuids(successor)) & set(uuids(victim)), (
-        f"the killed sandbox held {uuids(victim)}; the next request got {uuids(successor)}"
+        f"the sandbox ended by {way} held {uuids(victim)}; the next request got {uuids(successor)}"
     )
     assert victim.id not in driver.sandboxes(driver.session_id), (
-        f"the killed sandbox {victim.id} still exists, yet its GPUs were handed out again"
+        f"the sandbox {victim.id} ended by {way} still exists, yet its GPUs were handed out again"
     )
     # Closing the dead sandbox gives back nothing of what its successor now holds.
     victim.close()

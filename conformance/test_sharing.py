@@ -1,18 +1,27 @@
-"""Shared GPUs: co-held by shared sandboxes only, up to a limit; exclusive after the last."""
+"""Shared GPUs: co-held by shared sandboxes only, up to a limit; exclusive after the last.
+
+A sharer ends every way ``conformance.endings`` has, and its share comes back each way; an
+exclusive holder of another client (a sandbox of another process, the lease protocol's sh
+client) is never joined.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.fixtures import SandboxFactory
-from conformance.hold import HeldSandbox, close_all
+from conformance.dimensions import declared
+from conformance.endings import CLOSE, CREATOR, ENDINGS, IDS, end
+from conformance.fixtures import Dropped, SandboxFactory
+from conformance.hold import HeldSandbox, close_all, held_by_the_sh_client
 from conformance.observe import (
     create_side_by_side,
     expect_refusal,
     retake,
+    specs_for_all_gpus,
     specs_for_gpus,
     uuids,
     visible_gpu_uuids,
@@ -23,6 +32,26 @@ from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SHARED, SandboxSpec
 
 SHARING_FIELD = "resource_requirements.gpu.sharing"
+THIS_PROCESS, ANOTHER_PROCESS, ANOTHER_CLIENT = (
+    "a sandbox of this process",
+    "a sandbox of another process",
+    "another client of the host registry (the lease protocol's sh client)",
+)
+EXCLUSIVE_HOLDERS = (THIS_PROCESS, ANOTHER_PROCESS, ANOTHER_CLIENT)
+"""Who holds a GPU exclusively, that no shared request may join."""
+DIMENSIONS = {
+    "GPU-SHARED-01": declared(
+        how_a_sharer_ends=ENDINGS,
+        exclusive_holder=EXCLUSIVE_HOLDERS,
+        request=("shared by default", "shared by every exact ID of the GPU"),
+        sharers_made_by=("this process", "another process", "another process, a stricter limit"),
+    ),
+    "GPU-SHARED-02": declared(
+        how_the_last_sharer_ends=(CLOSE, *ENDINGS),
+        how_another_sharer_ends=(CLOSE, CREATOR),
+        sharers_made_by=("this process", "another process"),
+    ),
+}
 
 
 def _shared(driver: Driver, device_id: str | None = None) -> SandboxSpec:
@@ -170,3 +199,140 @@ def test_a_shared_gpu_is_exclusive_again_only_after_its_last_sharer(
     )
     assert uuids(exclusive) == [gpu.uuid]
     assert visible_gpu_uuids(exclusive) == [gpu.uuid]
+
+
+def _a_free_gpu_id(driver: Driver, sandboxes: SandboxFactory) -> tuple[str, str]:
+    """A GPU no sandbox of this test holds: its UUID, and its first exact ID."""
+    held = {uuid for sandbox in sandboxes.open for uuid in uuids(sandbox)}
+    gpu = next(gpu for gpu in driver.inventory() if gpu.uuid not in held)
+    return gpu.uuid, driver.device_ids(gpu)[0]
+
+
+def _sharer(
+    way: str, driver: Driver, sandboxes: SandboxFactory, settings: Settings, spec: SandboxSpec
+) -> tuple[list[str], HeldSandbox | Sandbox]:
+    """A sharer to be ended ``way``: of another process where its creator's death ends it."""
+    __tracebackhide__ = True
+    if way != CREATOR:
+        sandbox = sandboxes(spec)
+        return uuids(sandbox), sandbox
+    holder = HeldSandbox.start(driver, settings, spec)
+    reply = holder.go()
+    assert reply["ok"], f"another process could not share {spec.to_dict()}: {reply}"
+    return list(reply["gpus"]), holder
+
+
+def _ended(
+    way: str, victim: HeldSandbox | Sandbox, sandboxes: SandboxFactory, dropped: Dropped
+) -> bool:
+    """End the sharer ``way``; False where this host cannot (the case dropped, by name)."""
+    __tracebackhide__ = True
+    if isinstance(victim, HeldSandbox):
+        victim.kill()
+        return True
+    return end(way, victim, sandboxes, dropped)
+
+
+@pytest.mark.shares_gpus
+@pytest.mark.requirement("GPU-SHARED-01")
+@pytest.mark.parametrize("way", ENDINGS, ids=[IDS[way] for way in ENDINGS])
+def test_a_sharer_that_ends_gives_its_share_back(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, way: str
+) -> None:
+    """A sharer of a full GPU ended any way MUST leave room for one more, and only one."""
+    uuid, device_id = _a_free_gpu_id(driver, sandboxes)
+    limit = driver.host.share_limit
+    others = [sandboxes(_shared(driver, device_id)) for _ in range(limit - 1)]
+    gpus, victim = _sharer(way, driver, sandboxes, settings, _shared(driver, device_id))
+    try:
+        assert gpus == [uuid], f"a shared request for {device_id} got {gpus}"
+        with pytest.raises(GpuBusy):  # full: the limit counts the victim
+            sandboxes(_shared(driver, device_id))
+        if not _ended(way, victim, sandboxes, dropped):
+            return
+        joined = retake(
+            lambda: sandboxes(_shared(driver, device_id)),
+            settings.reclaim_timeout_s,
+            f"the share of {uuid} a sharer held to come back after {way}",
+            retry_on=(GpuBusy,),
+        )
+    finally:
+        if isinstance(victim, HeldSandbox):
+            victim.close()
+    assert uuids(joined) == [uuid]
+    with pytest.raises(GpuBusy):  # full again: the victim's share was given back once
+        sandboxes(_shared(driver, device_id))
+    with pytest.raises(GpuBusy):
+        sandboxes(_exclusive(driver, device_id))
+    assert visible_gpu_uuids(others[0] if others else joined) == [uuid], (
+        f"a sharer of {uuid} lost it when another sharer ended by {way}"
+    )
+
+
+@pytest.mark.shares_gpus
+@pytest.mark.requirement("GPU-SHARED-01")
+@pytest.mark.parametrize("holder", EXCLUSIVE_HOLDERS, ids=["here", "process", "sh-client"])
+def test_shared_requests_never_join_a_gpu_held_whole(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, holder: str
+) -> None:
+    """No shared request MUST join a GPU another client holds exclusively, by ID or by default."""
+    # The holder holds every GPU: a shared request by default has nowhere to go.
+    specs = specs_for_all_gpus(driver)
+    with contextlib.ExitStack() as held:
+        if holder == THIS_PROCESS:
+            create_side_by_side(sandboxes, specs)
+        elif holder == ANOTHER_PROCESS:
+            others = [HeldSandbox.start(driver, settings, spec) for spec in specs]
+            held.callback(close_all, others)
+            for other in others:
+                other.send_go()
+            replies = [other.result() for other in others]
+            assert all(reply["ok"] for reply in replies), f"another process could not: {replies}"
+        else:
+            gpus = list(driver.inventory())
+            held.enter_context(held_by_the_sh_client(driver.host, driver.session_id, gpus))
+        gpu = driver.inventory()[0]
+        why = f"{holder} holds every GPU whole"
+        for device_id in driver.device_ids(gpu):
+            _refused(sandboxes, _shared(driver, device_id), GpuBusy, why)
+        _refused(sandboxes, _shared(driver), GpusExhausted, why)
+
+
+def _refused(
+    sandboxes: SandboxFactory, spec: SandboxSpec, error: type[Exception], why: str
+) -> None:
+    __tracebackhide__ = True
+    try:
+        got = sandboxes(spec)
+    except error:
+        return
+    pytest.fail(f"{why}; {spec.to_dict()} got {uuids(got)}, not {error.__name__}", pytrace=False)
+
+
+@pytest.mark.shares_gpus
+@pytest.mark.requirement("GPU-SHARED-02")
+@pytest.mark.parametrize("way", ENDINGS, ids=[IDS[way] for way in ENDINGS])
+def test_a_gpu_whose_last_sharer_ends_is_exclusive_again(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, way: str
+) -> None:
+    """A shared GPU MUST be exclusive again once its last sharer ends, whichever way it ends."""
+    uuid, device_id = _a_free_gpu_id(driver, sandboxes)
+    first = sandboxes(_shared(driver, device_id))
+    gpus, last = _sharer(way, driver, sandboxes, settings, _shared(driver, device_id))
+    try:
+        assert gpus == [uuid], f"a shared request for {device_id} got {gpus}"
+        first.close()
+        with pytest.raises(GpuBusy):  # its last sharer still holds it
+            sandboxes(_exclusive(driver, device_id))
+        if not _ended(way, last, sandboxes, dropped):
+            return
+        exclusive = retake(
+            lambda: sandboxes(_exclusive(driver, device_id)),
+            settings.reclaim_timeout_s,
+            f"{uuid} to be exclusive again once its last sharer ended by {way}",
+            retry_on=(GpuBusy,),
+        )
+    finally:
+        if isinstance(last, HeldSandbox):
+            last.close()
+    assert uuids(exclusive) == [uuid]

@@ -12,7 +12,12 @@ podman-py is imported only once the service is used.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import socket
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -155,25 +160,26 @@ class PodmanDriver(ContainerDriver):
     def remove_container(self, container_id: str) -> None:
         import podman.errors
 
-        try:
-            self.client.containers.remove(container_id, force=True)
-        except podman.errors.NotFound:
-            return
-        except podman.errors.APIError as exc:
-            # A container already exiting (its keepalive closed, or killed) is being removed
-            # by its own auto-remove, and podman refuses to remove it meanwhile: wait for that.
-            refusal = str(exc)
-
-            def gone() -> None:
+        def removed() -> None:
+            try:
+                self.client.containers.remove(container_id, force=True)
+            except podman.errors.NotFound:
+                return
+            except podman.errors.APIError as exc:
+                # A container already exiting (its keepalive closed, or killed) is being
+                # removed by its own auto-remove, and podman refuses meanwhile; one whose conmon
+                # was killed is never removed by itself, and a remove refused while podman
+                # still deemed it stopping succeeds a moment later: asked again until gone.
                 if self.client.containers.exists(container_id):
-                    raise EngineError(f"still there after podman said: {refusal}")
+                    raise EngineError(f"still there after podman said: {exc}") from exc
 
-            wait_until(
-                gone,
-                timeout_s=STOP_TIMEOUT_S,
-                what=f"podman removing container {container_id[:12]}",
-                retry_on=(EngineError,),
-            )
+        wait_until(
+            removed,
+            timeout_s=STOP_TIMEOUT_S,
+            what=f"podman removing container {container_id[:12]}",
+            retry_on=(EngineError,),
+            interval_s=0.5,
+        )
 
     def kill_container(self, container_id: str) -> None:
         import podman.errors
@@ -194,7 +200,91 @@ class PodmanDriver(ContainerDriver):
 
     @classmethod
     def container_exists(cls, url: str, container_id: str) -> bool:
-        return bool(_client(url, LIVENESS_TIMEOUT_S).containers.exists(container_id))
+        """Whether podman knows the container, and it has not ended (``_ended``).
+
+        One that has ended yet is still there is removed, as its conmon would have.
+        """
+        import podman.errors
+
+        client = _client(url, LIVENESS_TIMEOUT_S)
+        try:
+            state = client.containers.get(container_id).attrs["State"]
+        except podman.errors.NotFound:
+            return False
+        if not _ended(url, str(state["Status"]), int(state["Pid"] or 0)):
+            return True
+
+        def removed() -> None:
+            with contextlib.suppress(podman.errors.NotFound):
+                client.containers.remove(container_id, force=True)
+
+        with contextlib.suppress(*cls.engine_errors(), TimeoutError):
+            wait_until(
+                removed,
+                retry_on=(podman.errors.APIError,),
+                timeout_s=LIVENESS_TIMEOUT_S,
+                what=f"podman removing container {container_id[:12]}, which has ended",
+                interval_s=0.5,
+            )
+        return False
+
+
+_UNSTARTED = frozenset({"created", "configured", "initialized"})
+"""States of a container whose first process has not run yet: it holds its GPUs all the same
+(a container is handed its leases before it starts)."""
+_RUNNING = frozenset({"running", "paused", "stopping"})
+
+
+def _ended(url: str, status: str, pid: int) -> bool:
+    """Whether a container podman knows has ended: it says so, or its first process is gone.
+
+    podman learns of a container's end from its conmon, which then removes it: one whose
+    conmon was killed stays "running" in podman's records for good once its processes die,
+    and would hold its GPUs for good. Its first process is looked for only where podman's
+    pids are this process's (``_same_pids``); a pid now another process's counts as it.
+    """
+    if status in _UNSTARTED:
+        return False
+    if status not in _RUNNING:
+        return pid <= 0
+    return pid > 0 and _same_pids(url) and not _runs(pid)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not); True where that cannot be told."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's, hidden by hidepid
+            return True
+        return True
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+@functools.lru_cache(maxsize=8)
+def _same_pids(url: str) -> bool:
+    """Whether the podman service at ``url`` numbers processes as this process does.
+
+    Its socket's peer (the service, or what listens for it) is in this pid namespace; a
+    service reached another way (ssh, TCP) or from a container is never judged by pid.
+    """
+    if not url.startswith("unix://"):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+            peer.settimeout(LIVENESS_TIMEOUT_S)
+            peer.connect(url.removeprefix("unix://"))
+            creds = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        return pid > 0 and os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
 
 
 def _podman_client(url: str, timeout: int) -> podman.PodmanClient:

@@ -49,6 +49,7 @@ def _planted(module: ModuleType) -> list[type[BrokenDriver]]:
         and issubclass(cls, BrokenDriver)
         and cls is not BrokenDriver
         and cls.__module__ == module.__name__
+        and not cls.__name__.startswith("_")  # a base of the planted, generated ones
     ]
 
 

@@ -1,23 +1,48 @@
 """Planted breakers of exhaustion and racing creates: GPU-EXHAUST-01/02, GPU-CONCURRENT-01/02.
 
-More than is free fails promptly, and racing creates never share a GPU. Their tests:
-conformance/test_exhaustion.py.
+More than is free fails promptly, and racing creates never share a GPU, whatever kind of
+request races. Their tests: conformance/test_exhaustion.py and conformance/test_races.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import ClassVar
 
 from conformance.bad_requests import EXHAUSTED_FIELDS
+from conformance.test_races import (
+    COUNT,
+    DEFAULT,
+    EVERY_ID,
+    EXACT,
+    FORMS,
+    KINDS,
+    PROFILE,
+    SHARING,
+    VENDOR,
+    form_of,
+)  # fmt: skip
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
-from gpuhost.leases import DEFAULT_SHARE_LIMIT, EXCLUSIVE, Holder, Lease, LeaseOwner
+from gpuhost.grants import grant
+from gpuhost.leases import (
+    DEFAULT_SHARE_LIMIT,
+    EXCLUSIVE,
+    SHARED,
+    Holder,
+    Lease,
+    LeaseOwner,
+    _leases,
+)
 from gpuhost.spec import GpuPlan
 from tests.breakers.base import BrokenDriver, BrokenRegistry, class_name, family
 
@@ -243,3 +268,112 @@ class ThreadsOnlyLock(BrokenDriver):
     BREAKS = "GPU-CONCURRENT-02"
     BREAKS_ONE_OF = frozenset({"GPU-CONCURRENT-02"})
     LEASES = _ThreadLockedRegistry
+
+
+def _plain(plan: GpuPlan) -> bool:
+    """An exclusive request with no IDs, no MIG profile and no vendor."""
+    return not plan.gpus and plan.sharing == EXCLUSIVE and not plan.mig_profile and not plan.vendor
+
+
+_RACY: dict[str, Callable[[GpuPlan], bool]] = {
+    DEFAULT: lambda plan: _plain(plan) and plan.count == 1,
+    COUNT: lambda plan: _plain(plan) and plan.count >= 2,
+    PROFILE: lambda plan: not plan.gpus and plan.mig_profile is not None,
+    VENDOR: lambda plan: not plan.gpus and plan.vendor is not None,
+    SHARING: lambda plan: plan.sharing == SHARED,
+    EVERY_ID: lambda plan: bool(plan.gpus),
+}
+
+
+def _racy(kind: str) -> Callable[[GpuPlan], bool]:
+    """Which requests a breaker of ``kind`` (one of ``KINDS``, or of ``FORMS``) grants racily."""
+    if kind in _RACY:
+        return _RACY[kind]
+
+    def by_form(plan: GpuPlan) -> bool:
+        pairs = zip(plan.device_ids, plan.gpus, strict=False)
+        return bool(plan.gpus) and all(form_of(gpu, device_id) == kind for device_id, gpu in pairs)
+
+    return by_form
+
+
+class _ChecksThenLeases(BrokenDriver):
+    """Checks what is free, then leases it: two racers both find it free, and both take it."""
+
+    RACY: ClassVar[Callable[[GpuPlan], bool]]
+    THREAD_LOCK: ClassVar[threading.Lock | None] = None
+    """Held from the check to the lease: racing threads wait their turn, processes do not."""
+    PER_ID: ClassVar[bool] = False
+    """A lock file per ID as asked, from the check to the lease: one ID is raced for in turn,
+    by threads and processes alike; the IDs of one device are not."""
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if not type(self).RACY(plan):
+            return super().allocate(sandbox_id, plan)
+        registry = self.host.leases
+        with contextlib.ExitStack() as turn:
+            if self.THREAD_LOCK is not None:
+                turn.enter_context(self.THREAD_LOCK)
+            if self.PER_ID:
+                for device_id in sorted(plan.device_ids):
+                    turn.enter_context(_id_lock(registry.directory, device_id))
+            limit = self.host.share_limit
+            chosen = grant(
+                registry.leases(), self.pool(plan), plan.count, plan.gpus, plan.sharing, limit
+            )
+            time.sleep(RACE_WINDOW_S)  # "a scheduler's round trip"
+            owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+            with registry._locked_mine() as mine:
+                mine.extend(_leases(chosen, owner, plan.sharing, limit))
+        return chosen
+
+
+class _TakesDriNodes(_ChecksThenLeases):
+    """Takes an AMD or Intel GPU's DRI nodes' paths as its IDs too, as the engines' drivers do."""
+
+    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+        nodes = tuple(node.path for node in gpu.nodes if "/dri/" in node.path)
+        return (*super().device_ids(gpu), *(nodes if gpu.vendor != "nvidia" else ()))
+
+
+@contextlib.contextmanager
+def _id_lock(directory: Path, device_id: str) -> Iterator[None]:
+    name = hashlib.sha256(device_id.encode()).hexdigest()[:16]
+    fd = os.open(directory / f"race-{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _racing(requirement: str, lock: threading.Lock | None) -> Callable[[str], type[BrokenDriver]]:
+    """The maker of a breaker per kind or form raced, failing ``requirement``'s race of it."""
+    racers = "threads and processes" if lock is None else "processes (threads take turns)"
+
+    def make(kind: str) -> type[BrokenDriver]:
+        asked = f"an exact ID by its {kind}" if kind in FORMS else kind
+        if kind == EVERY_ID:
+            defect = "takes turns per ID as asked, not per device: two IDs of one device race"
+        else:
+            defect = f"checks what is free for {asked}, then leases it: racing {racers} share"
+        suffix = "" if lock is None else "AcrossProcesses"
+        attrs = {
+            "__doc__": f"{requirement}: {defect}. Raced: {kind}.",
+            "BREAKS": requirement,
+            "RACY": staticmethod(_racy(kind)),
+            "THREAD_LOCK": lock,
+            "PER_ID": kind == EVERY_ID,
+        }
+        base = _TakesDriNodes if kind == "DRI node" else _ChecksThenLeases
+        return type(f"Races{class_name(kind)}{suffix}", (base,), attrs)
+
+    return make
+
+
+RACED = [kind for kind in KINDS if kind != EXACT] + list(FORMS)
+"""Every kind of request raced, an exact ID by each of its forms."""
+THREADS_FAMILY = family(globals(), RACED, _racing("GPU-CONCURRENT-01", None))
+"""A breaker per kind raced that grants it racily to threads (and to processes)."""
+PROCESSES_FAMILY = family(globals(), RACED, _racing("GPU-CONCURRENT-02", threading.Lock()))
+"""A breaker per kind raced that grants it racily to processes only."""

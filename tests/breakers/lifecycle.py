@@ -9,9 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
+import signal
 import threading
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
+from conformance.endings import CREATOR, ENDINGS, FROM_OUTSIDE, INIT, KILL, OOM, OUTERMOST
 from conformance.test_reap import NEIGHBOUR_FORMS
 from drivers import reference
 from drivers.base import Launch, Sandbox
@@ -19,7 +23,7 @@ from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.leases import Holder, LeaseOwner, process_running
 from gpuhost.procfs import each_process
-from gpuhost.spec import GpuPlan, SandboxSpec
+from gpuhost.spec import SHARED, GpuPlan, SandboxSpec
 from gpuhost.wait import wait_for
 from tests.breakers.base import BrokenDriver, family
 
@@ -119,6 +123,150 @@ class OutlivesItsCreator(BrokenDriver):
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         return [arg for arg in super().bwrap_argv(sandbox_id, gpus) if arg != "--die-with-parent"]
+
+
+class _WatchedSandbox(ReferenceSandbox):
+    """A sandbox whose creator holds its leases, released by a thread once it ends.
+
+    The thread tells how it ended by how its bwrap did; it releases nothing after the ends it
+    is blind to.
+    """
+
+    def watch(self, blind: frozenset[str]) -> None:
+        self._blind = blind
+        self._killed_here = False
+        self._kmsg = _kernel_log_from_now()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def kill(self) -> None:
+        self._killed_here = True
+        super().kill()
+
+    def _watch(self) -> None:
+        pidfd = os.pidfd_open(self._process.pid)
+        try:
+            select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
+        returncode = self._process.wait()
+        if self.closed or self._leases is None:
+            return
+        if self._killed_here:
+            how = KILL
+        elif returncode == -signal.SIGKILL:
+            how = OUTERMOST
+        elif _oom_killed(self._kmsg, self._child_pid):
+            how = OOM
+        else:
+            how = INIT
+        if how not in self._blind:
+            self._leases.release(self.id)
+
+
+def _kernel_log_from_now() -> int:
+    """The kernel's log, read from its end (-1 where it cannot be read)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    os.lseek(fd, 0, os.SEEK_END)
+    return fd
+
+
+def _oom_killed(fd: int, pid: int) -> bool:
+    """Whether the kernel logged, since ``fd`` was opened, that its OOM killer chose ``pid``."""
+    if fd < 0:
+        return False
+    records = []
+    try:
+        while True:
+            try:
+                records.append(os.read(fd, 8192).decode(errors="replace"))
+            except BrokenPipeError:  # records overwritten meanwhile: read on
+                continue
+            except BlockingIOError:
+                break
+    finally:
+        os.close(fd)
+    return any(f"Killed process {pid} (" in r or f",pid={pid}," in r for r in records)
+
+
+class _WatchesItsEnds(BrokenDriver):
+    """Leases held by the creator (or the creator's parent), released by a watching thread."""
+
+    SANDBOX = _WatchedSandbox
+    BLIND: ClassVar[frozenset[str]]
+    SHARED_ONLY: ClassVar[bool] = False
+    """Only shared sandboxes are held so; the others as the reference's are."""
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        sandbox = super().start(launch)
+        if self.SHARED_ONLY and (launch.plan is None or launch.plan.sharing != SHARED):
+            return sandbox
+        assert isinstance(sandbox, _WatchedSandbox)
+        # "The process that asked": a creator started by a wrapper names the wrapper.
+        sandbox.holder = Holder.process(os.getppid() if CREATOR in self.BLIND else os.getpid())
+        sandbox.watch(self.BLIND)
+        return sandbox
+
+
+class CreatorHoldsAndKillReleases(_WatchesItsEnds):
+    """GPU-RECLAIM-01: its creator holds the leases and its kill() releases them.
+
+    A sandbox killed from outside (its init, its bwrap, the OOM killer) keeps its GPUs for good.
+    """
+
+    BREAKS = "GPU-RECLAIM-01"
+    BLIND = frozenset(FROM_OUTSIDE)
+
+
+_MISSES: dict[str, tuple[str, str]] = {
+    KILL: (
+        "ForgetsWhatItKilled",
+        "waits, after its own kill(), for a close that a crash never makes",
+    ),
+    INIT: (
+        "MissesAKilledInit",
+        "takes a sandbox whose init died of SIGKILL for one that restarts it",
+    ),
+    OUTERMOST: (
+        "MissesAKilledBwrap",
+        "takes a bwrap killed by a signal for one whose sandbox still runs",
+    ),
+    OOM: ("KeepsGpusOfTheOomKilled", "keeps an OOM-killed sandbox's GPUs for its restart"),
+    CREATOR: ("NamesTheCreatorsParent", "names the creator's parent their holder: it outlives it"),
+}
+"""For each way a sandbox ends, a driver that gets that way alone wrong: its creator holds
+its leases and a thread releases them once it sees the sandbox end, but not that way."""
+
+
+def misses(
+    requirement: Callable[[str], str], prefix: str = "", shared_only: bool = False
+) -> Callable[[str], type[BrokenDriver]]:
+    """The maker (for ``family``) of the breaker that misses a way, failing ``requirement(way)``.
+
+    With ``shared_only``, only shared sandboxes are held so; the name is ``prefix`` and the
+    way's breaker's own.
+    """
+
+    def make(way: str) -> type[BrokenDriver]:
+        name, defect = _MISSES[way]
+        whose = "a shared sandbox's" if shared_only else "a sandbox's"
+        released = "go once a thread of its creator sees it end"
+        doc = f"{requirement(way)}: {whose} leases {released}; it {defect}."
+        attrs = {"__doc__": f"{doc} Missed: {way}.", "BREAKS": requirement(way),
+                 "BLIND": frozenset({way}), "SHARED_ONLY": shared_only}  # fmt: skip
+        return type(f"{prefix}{name}", (_WatchesItsEnds,), attrs)
+
+    return make
+
+
+def _reclaim(way: str) -> str:
+    return "GPU-RECLAIM-02" if way == CREATOR else "GPU-RECLAIM-01"
+
+
+RECLAIM_FAMILY = family(globals(), ENDINGS, misses(_reclaim))
+"""One breaker per way a sandbox ends (``conformance.endings.ENDINGS``), each missing that way."""
 
 
 class ReapDoesNothing(BrokenDriver):

@@ -1,20 +1,32 @@
 """Planted breakers of shared GPUs: GPU-SHARED-01/02.
 
-Shared GPUs are co-held by shared sandboxes only, up to the share limit. Their tests:
-conformance/test_sharing.py.
+Shared GPUs are co-held by shared sandboxes only, up to the share limit, and a sharer's
+share comes back however it ends. Their tests: conformance/test_sharing.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
+from conformance.endings import ENDINGS
+from conformance.test_sharing import (
+    ANOTHER_CLIENT,
+    ANOTHER_PROCESS,
+    EXCLUSIVE_HOLDERS,
+    THIS_PROCESS,
+)
+from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.leases import Holder, Lease, LeaseOwner
+from gpuhost.grants import grant
+from gpuhost.leases import EXCLUSIVE, Holder, Lease, LeaseOwner, _leases
 from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan
-from tests.breakers.base import BrokenDriver, BrokenRegistry
+from tests.breakers.base import BrokenDriver, BrokenRegistry, family
+from tests.breakers.lifecycle import misses
 
 
 class IgnoresSharing(BrokenDriver):
@@ -110,3 +122,63 @@ class SharedReleaseDropsAll(BrokenDriver):
 
     BREAKS = "GPU-SHARED-02"
     SANDBOX = _DropsEverySharer
+
+
+SHARE_FAMILY = family(globals(), ENDINGS, misses(lambda _: "GPU-SHARED-01", "Share", True))
+"""One breaker per way a sharer ends: its share is not given back that way (a full GPU)."""
+LAST_SHARE_FAMILY = family(globals(), ENDINGS, misses(lambda _: "GPU-SHARED-02", "LastShare", True))
+"""One breaker per way a last sharer ends: its GPU is not exclusive again that way."""
+
+_MADE_HERE: set[str] = set()
+"""The sandboxes this process made (of the drivers below)."""
+_UNSEEN: dict[str, tuple[str, str, Callable[[Lease, str], bool]]] = {
+    THIS_PROCESS: (
+        "SharesOwnExclusiveGpus",
+        "takes its own exclusive sandboxes for ones it will share with",
+        lambda lease, driver: lease.sandbox_id in _MADE_HERE,
+    ),
+    ANOTHER_PROCESS: (
+        "SharesOtherProcessesExclusiveGpus",
+        "counts only this process's sandboxes of its own driver as holding GPUs whole",
+        lambda lease, driver: lease.driver == driver and lease.sandbox_id not in _MADE_HERE,
+    ),
+    ANOTHER_CLIENT: (
+        "SharesOtherClientsExclusiveGpus",
+        "counts only its own driver's leases as holding GPUs whole",
+        lambda lease, driver: lease.driver != driver,
+    ),
+}
+
+
+class _JoinsUnseenExclusive(BrokenDriver):
+    """A shared request does not see some exclusive leases (``UNSEEN``) and joins their GPUs."""
+
+    UNSEEN: ClassVar[Callable[[Lease, str], bool]]
+
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        _MADE_HERE.add(launch.sandbox_id)
+        return super().start(launch)
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        if plan.sharing != SHARED:
+            _MADE_HERE.add(sandbox_id)
+            return super().allocate(sandbox_id, plan)
+        owner = LeaseOwner(self.name, sandbox_id, self.session_id, Holder.process(os.getpid()))
+        unseen = type(self).UNSEEN
+        limit = self.host.share_limit
+        with self.host.leases._locked() as held:
+            seen = [x for x in held.all if x.mode != EXCLUSIVE or not unseen(x, self.name)]
+            granted = grant(seen, self.pool(plan), plan.count, plan.gpus, SHARED, limit)
+            held.mine.extend(_leases(granted, owner, SHARED, limit))
+        return granted
+
+
+def _joins(holder: str) -> type[BrokenDriver]:
+    name, defect, unseen = _UNSEEN[holder]
+    doc = f"GPU-SHARED-01: a shared request {defect}, and joins the others. Held by: {holder}."
+    attrs = {"__doc__": doc, "BREAKS": "GPU-SHARED-01", "UNSEEN": staticmethod(unseen)}
+    return type(name, (_JoinsUnseenExclusive,), attrs)
+
+
+JOINS_FAMILY = family(globals(), EXCLUSIVE_HOLDERS, _joins)
+"""One breaker per exclusive holder a shared request must not join."""
