@@ -38,6 +38,10 @@ DIMENSIONS = {
         reaped_from=("a fresh process, its creator killed between creating and starting it",),
         of_the_session=("a container created, never started (the engine's `ps --all`)",),
     ),
+    "GPU-RECLAIM-03": declared(
+        removed_by=("the engine's own `rm --force`, from its CLI",),
+        what_it_held=("every GPU of the host",),
+    ),
     "GPU-ORACLE-01": declared(
         gpu=("every GPU of the host, by the first ID the driver names it by",),
         compared=("`nvidia-smi -L` inside, MIG devices too, against the engine's own run",),
