@@ -166,9 +166,9 @@ def test_an_interrupted_run_leaves_the_tree_as_it_was(
             assert time.monotonic() < deadline, "no mutant ran"
             time.sleep(0.05)
         mutant_pid = int(running.read_text())
+        assert _files(tree) == before, "the tree itself was written"
         (copy,) = tmpdir_of_runs.iterdir()
         assert (copy / "pkg" / "m.py").read_text() != MODULE, "the copy holds no mutant"
-        assert _files(tree) == before, "the tree itself was written"
         os.kill(runner.pid, signum)
         code = runner.wait(60)
     finally:
@@ -185,8 +185,9 @@ def test_an_interrupted_run_leaves_the_tree_as_it_was(
         assert [p.name for p in tmpdir_of_runs.iterdir()] == [copy.name]
         assert mutate.remove_stale_copies() == [copy]
     else:
-        assert code == 128 + signum
+        assert list(tmpdir_of_runs.iterdir()) == [], "the copy was left behind"
         assert not Path(f"/proc/{mutant_pid}").exists(), "the mutant's test run outlived it"
+        assert code == 128 + signum
     assert list(tmpdir_of_runs.iterdir()) == []
 
 
