@@ -249,7 +249,8 @@ bench-cli: venv
 # driver and the host layer's grant, lease, liveness, validation and uid modules, each run
 # against the whole catalogue on a simulated host, as root; the score, and the survivors'
 # triage (bench/mutants.yaml). Within 40 minutes on 2 cores; never part of `make test`.
-# MUTATE_ARGS: --seed=N --per-module=N --modules=a.py,b.py; --list shows the sample.
+# MUTATE_ARGS: --seed=N --per-module=N --modules=a.py,b.py; --list shows the sample; --only=NAME
+# (as listed, repeatable) runs those mutants alone.
 .PHONY: mutate
 MUTATE_ARGS ?=
 mutate: venv host-packages

@@ -244,9 +244,17 @@ def mutate(args: argparse.Namespace) -> int:
     enumerations = {m: mx.enumerate_mutants(root, m) for m in modules}
     verdicts = mx.read_triage(args.triage)
     sources = {m: (root / m).read_text() for m in modules}
-    planned = mx.interleaved(
-        [mx.sample(enumerations[m], args.per_module, args.seed, sources[m]) for m in modules]
-    )
+    if args.only:
+        named = [m for e in enumerations.values() for m in e.mutants if m.name in args.only]
+        planned = [mx.make(m, sources[m.module]) for m in named]
+        if len(planned) != len(set(args.only)):
+            missing = set(args.only) - {m.name for m in named}
+            print(f"no such mutant: {', '.join(sorted(missing))}")
+            return 2
+    else:
+        planned = mx.interleaved(
+            [mx.sample(enumerations[m], args.per_module, args.seed, sources[m]) for m in modules]
+        )
     stale = mx.stale(verdicts, root, enumerations)
     for old in stale:
         print(f"stale triage ({old.kind}): {old.module} {old.function} {old.operator}: "
@@ -339,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started (default: %(default)s)")  # fmt: skip
     add("--fail-under", type=float, default=0.0, help="the least score, in %%")
     add("--list", action="store_true", help="list the sample; run nothing")
+    only = "run this mutant (named as listed: 'gpuhost/grants.py:41 AddNot#3'), not the sample"
+    add("--only", action="append", default=[], metavar="NAME", help=only)
     add("--triage", type=Path, default=mx.TRIAGE_FILE)
     add("--report", type=Path, default=REPORT)
     add("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)

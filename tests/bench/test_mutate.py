@@ -125,6 +125,24 @@ def test_a_triaged_equivalent_is_reported_apart_and_not_run(
     assert result["exit"] == 1  # the other eleven survived untriaged
 
 
+def test_only_runs_the_mutants_named_and_refuses_a_name_of_none(
+    tree: Path, tmp_path: Path, tmpdir_of_runs: Path
+) -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "bench.mutate", "--root", str(tree), "--modules", "pkg/m.py",
+         "--per-module", "100", "--list"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    named = [line.split(" [")[0] for line in listed if "-> return 2 * 3" in line]
+    assert len(named) == 1, listed
+    result = _main(tree, tmp_path, "--only", named[0])
+    assert [(r["after"], r["outcome"]) for r in result["results"]] == [  # type: ignore[attr-defined]
+        ("return 2 * 3", "killed")
+    ]
+    assert result["exit"] == 0
+    assert _main(tree, tmp_path / "none", "--only", "pkg/m.py:5 Nothing#0") == {"exit": 2}
+
+
 def test_an_unmutated_tree_that_fails_runs_no_mutant(
     tree: Path, tmp_path: Path, tmpdir_of_runs: Path
 ) -> None:
