@@ -13,8 +13,8 @@ from typing import Any
 
 from conformance import requirements
 from drivers.base import Driver
-from gpuhost.devices import normalize_pci_bus_id
 from gpuhost.errors import (
+    SHOWN_LIMIT,
     DriverError,
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -66,6 +66,11 @@ def _id(driver: Driver, index: int = 0, form: int = 0) -> str:
 
 OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: a block for any of them is not ours."""
+A_DRIVER_OF_NO_PROFILE = "another-driver"
+EVERY_OTHER = "every other driver's at once"
+OTHER_BLOCKS = (*OTHER_DRIVERS, A_DRIVER_OF_NO_PROFILE, EVERY_OTHER)
+"""Whose blocks a request holds, none of them the driver's own: each driver's alone (the
+driver under test's own name left out), one no profile names, all of them together."""
 
 KEYS_SOME_DRIVER_READS = ("cdi_devices", "runtime_class_name", "node_selector", "image")
 """Keys of a block that some built-in driver declares (``DriverCapabilities``): unknown to a
@@ -226,6 +231,8 @@ CONFIG_ERRORS = {
 }
 
 COUNT = "resource_requirements.gpu.count"
+EXHAUSTED_FIELDS = ("requested", "available", "total")
+"""What GpusExhausted says, each checked by value (GPU-EXHAUST-01, GPU-EXHAUST-02)."""
 SHARING = "resource_requirements.gpu.sharing"
 
 
@@ -312,52 +319,16 @@ def _past_the_last(driver: Driver) -> str:
     return "no-such-gpu-1"  # no index form (a PCI address): any unknown name will do
 
 
-def _unknown(device_id: str) -> BadRequest:
+def unknown(device_id: str) -> BadRequest:
+    """``device_id``, which names no device: refused with UnknownGpuDevice naming it.
+
+    A long one by its start: messages show values cut (``shown``).
+    """
+    said = device_id if len(repr(device_id)) <= SHOWN_LIMIT else device_id[: SHOWN_LIMIT // 2]
     return BadRequest(
         lambda d: _ids(d, [device_id]),
         UnknownGpuDevice,
-        lambda d: device_id,
-        needs_exact_ids=True,
-        field=IDS,
-    )
-
-
-def _near_miss(driver: Driver, how: str) -> str:
-    """A spelling close to one of the driver's own IDs of its second GPU, which is none.
-
-    ``case``: the longest ID but a PCI address, in the other letter case; ``prefix``: the
-    longest ID less its last four characters (a prefix only that GPU's ID has); ``path``: the
-    GPU's device node. Only what ``device_ids`` lists is an ID (a PCI address in either case):
-    each of these must be refused, never mapped to a GPU.
-    """
-    gpu = driver.inventory()[min(1, len(driver.inventory()) - 1)]
-    longest = max(driver.device_ids(gpu), key=len)
-    # A PCI address is the same ID in either letter case (NVML writes it upper case, the
-    # kernel lower case): the other case of a name is a near miss only for other forms.
-    named = [i for i in driver.device_ids(gpu) if not _is_pci_address(i)] or [longest]
-    spelled = {
-        "case": max(named, key=len).swapcase(),
-        "prefix": longest[:-4],
-        "path": f"/dev/nvidia{gpu.minor}",
-    }[how]
-    if spelled in driver.device_index() or _is_pci_address(spelled):  # an ID after all
-        return f"{spelled}-not-an-id"
-    return spelled
-
-
-def _is_pci_address(device_id: str) -> bool:
-    try:
-        normalize_pci_bus_id(device_id)
-    except ValueError:
-        return False
-    return True
-
-
-def _refused_spelling(how: str) -> BadRequest:
-    return BadRequest(
-        lambda d: _ids(d, [_near_miss(d, how)]),
-        UnknownGpuDevice,
-        lambda d: _near_miss(d, how),
+        lambda d: said,
         needs_exact_ids=True,
         field=IDS,
     )
@@ -396,13 +367,8 @@ ID_ERRORS = {
         field=IDS,
     ),
     # Neither an index counted from the end, nor a prefix that several UUIDs share.
-    "negative-index": _unknown("-1"),
-    "uuid-prefix-of-every-gpu": _unknown("GPU-"),
-    # Near misses of the driver's own IDs: another letter case, a prefix only one ID has, the
-    # device node's path. Refused, not mapped to a GPU (and never to another one).
-    "id-in-another-case": _refused_spelling("case"),
-    "unique-prefix-of-an-id": _refused_spelling("prefix"),
-    "device-path": _refused_spelling("path"),
+    "negative-index": unknown("-1"),
+    "uuid-prefix-of-every-gpu": unknown("GPU-"),
     "unknown-id": BadRequest(
         lambda d: _ids(d, ["no-such-gpu-0"]),
         UnknownGpuDevice,

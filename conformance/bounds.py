@@ -214,6 +214,31 @@ class Pace:
         )
 
 
+def round_trip_s(run: Callable[[], object], tries: int = 3) -> float:
+    """The slowest of ``tries`` calls of ``run``: a command that does nothing, there and back."""
+    slowest = 0.0
+    for _ in range(tries):
+        start = time.monotonic()
+        run()
+        slowest = max(slowest, time.monotonic() - start)
+    return slowest
+
+
+def kill_bound_s(
+    timeout_s: float, round_trip: float, in_flight: int = 1, lanes_at_once: int = 1
+) -> float:
+    """How long an exec whose command outlives ``timeout_s`` may take to return.
+
+    Its timeout, then the kill and the return, which cost about what a command that does
+    nothing costs there and back (``round_trip``, measured on the same sandbox and path):
+    ``SLOWEST_FACTOR`` of them, per call in flight and per lane sharing the machine. No
+    fixed slack: a driver that sends SIGTERM and waits seconds for the command to end is
+    past it.
+    """
+    factor = SLOWEST_FACTOR * max(1, in_flight) * max(1, lanes_at_once)
+    return timeout_s + factor * round_trip
+
+
 @dataclass
 class DriverPace:
     """One driver's pace in this run: its creates, its execs and its closes, each apart."""

@@ -209,9 +209,13 @@ def held_by_the_sh_client(host: GpuHost, session_id: str, gpus: list[GpuDevice])
     if not shutil.which("jq") or not shutil.which("flock"):
         fail("the lease protocol's sh client needs jq and flock (apt-get install jq)")
     directory = host.leases.directory
+    # MIG instances of one GPU are held with it named: their leases carry it (--parent).
+    parents = {gpu.parent_uuid for gpu in gpus}
+    assert len(parents) == 1, f"GPUs and MIG instances of several GPUs at once: {gpus}"
+    parent = [] if (of := parents.pop()) is None else ["--parent", of]
     process = subprocess.Popen(
         ["sh", str(LEASE_CLIENT), "--dir", str(directory), "hold", "--driver", "gpu-lease",
-         "--session", session_id, "--sandbox", f"sh-{time.time_ns()}",
+         "--session", session_id, "--sandbox", f"sh-{time.time_ns()}", *parent,
          *(gpu.uuid for gpu in gpus), "--", "sleep", "3600"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conformance.fixtures import SandboxFactory
+from conformance.dimensions import declared
+from conformance.fixtures import Dropped, SandboxFactory
 from conformance.hold import HeldSandbox, refused_to_another_client
 from conformance.observe import (
     device_nodes,
@@ -26,6 +27,40 @@ from gpuhost.spec import SandboxSpec
 
 DRI_HINT = "a simulated host gets some with --sim-dri=intel:1,amd:2"
 
+HOSTS = (
+    "one GPU of one vendor",
+    "two GPUs of one vendor",
+    "GPUs of two vendors",
+    "a free GPU of another kind beside",
+)
+"""What of a host's AMD and Intel GPUs the tests try: a smaller one drops what it cannot show."""
+ISOLATION_REQUESTS = ("one GPU of a vendor", "every GPU of a vendor", "two vendors, by exact IDs")
+EXCLUSIVE_REQUESTS = (
+    "every ID of the held GPU",
+    "the held GPU beside a free one of another kind, either way round",
+    "a count of the vendor's other GPUs",
+    "one more of the vendor",
+    "every GPU of the vendor, once given back",
+)
+DIMENSIONS = {
+    "DRI-ISOLATION-01": declared(
+        vendor=("amd", "intel"), request=ISOLATION_REQUESTS, host=HOSTS[:3]
+    ),
+    "DRI-PAIRING-01": declared(
+        form=("PCI address", "every other ID of the driver"),
+        request=("every DRI GPU at once, each in its own sandbox",),
+    ),
+    "DRI-EXCLUSIVE-01": declared(
+        **{
+            "who holds": ("the driver's sandbox in another process",),
+            "who asks": ("the driver", "another client of the registry (the reference)"),
+            "request": EXCLUSIVE_REQUESTS,
+            "how the holder ends": ("closed", "its processes SIGKILLed"),
+        },
+        host=(HOSTS[0], HOSTS[1], HOSTS[3]),
+    ),
+}
+
 
 def _dri_gpus(driver: Driver) -> tuple[GpuDevice, ...]:
     found = driver.host.dri_gpus
@@ -39,6 +74,14 @@ def _the_most_of_one_vendor(driver: Driver) -> list[GpuDevice]:
     gpus = _dri_gpus(driver)
     vendor = max({gpu.vendor for gpu in gpus}, key=lambda v: sum(g.vendor == v for g in gpus))
     return [gpu for gpu in gpus if gpu.vendor == vendor]
+
+
+def _layout(gpus: tuple[GpuDevice, ...]) -> str:
+    """The host's AMD and Intel GPUs, in words: ``the host has 1 amd``."""
+    counts = ", ".join(
+        f"{sum(g.vendor == v for g in gpus)} {v}" for v in sorted({g.vendor for g in gpus})
+    )
+    return f"the host has {counts}"
 
 
 def _vendor(driver: Driver, vendor: str, count: int = 1) -> SandboxSpec:
@@ -79,10 +122,12 @@ def _assert_holds_exactly(driver: Driver, sandbox: Sandbox, given: list[GpuDevic
 
 @pytest.mark.requirement("DRI-ISOLATION-01")
 def test_only_the_given_dri_gpus_nodes_are_inside(
-    driver: Driver, sandboxes: SandboxFactory
+    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
 ) -> None:
     """A sandbox given AMD or Intel GPUs MUST hold their nodes and no other GPU's."""
     gpus = _dri_gpus(driver)
+    if all(sum(g.vendor == gpu.vendor for g in gpus) < 2 for gpu in gpus):
+        dropped(ISOLATION_REQUESTS[1], f"needs two GPUs of one vendor; {_layout(gpus)}")
     for vendor in sorted({gpu.vendor for gpu in gpus}):
         of_vendor = [gpu for gpu in gpus if gpu.vendor == vendor]
         for count in sorted({1, len(of_vendor)}):
@@ -94,10 +139,12 @@ def test_only_the_given_dri_gpus_nodes_are_inside(
             sandbox.close()
     # Two vendors at once, by exact IDs: still only theirs.
     vendors = {gpu.vendor: gpu for gpu in reversed(gpus)}
-    if len(vendors) >= 2:
-        pair = list(vendors.values())[:2]
-        sandbox = sandboxes(_exact(driver, *(driver.device_ids(gpu)[0] for gpu in pair)))
-        _assert_holds_exactly(driver, sandbox, pair)
+    if len(vendors) < 2:
+        dropped(ISOLATION_REQUESTS[2], f"needs GPUs of two vendors; {_layout(gpus)}")
+        return
+    pair = list(vendors.values())[:2]
+    sandbox = sandboxes(_exact(driver, *(driver.device_ids(gpu)[0] for gpu in pair)))
+    _assert_holds_exactly(driver, sandbox, pair)
 
 
 @pytest.mark.requirement("DRI-PAIRING-01")
@@ -124,7 +171,7 @@ def test_card_and_render_nodes_are_paired_by_pci_address(
 @pytest.mark.exclusive
 @pytest.mark.requirement("DRI-EXCLUSIVE-01")
 def test_a_held_dri_gpu_is_never_granted_again(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped
 ) -> None:
     """A DRI GPU held by any process MUST never be granted again, and MUST come back."""
     of_vendor = _the_most_of_one_vendor(driver)
@@ -142,7 +189,9 @@ def test_a_held_dri_gpu_is_never_granted_again(
         )
         # Beside a free GPU of another kind, either way round: refused whole, taking nothing.
         free = next((gpu for gpu in driver.inventory() if gpu.vendor != held.vendor), None)
-        if free is not None and driver.capabilities.max_gpus_per_sandbox >= 2:
+        if free is None:
+            dropped(EXCLUSIVE_REQUESTS[1], "needs a GPU of another kind than the held one's")
+        elif driver.capabilities.max_gpus_per_sandbox >= 2:
             pair = (driver.device_ids(free)[0], driver.device_ids(held)[0])
             for ids in (pair, pair[::-1]):
                 leases = driver.host.leases.leases()
@@ -152,7 +201,11 @@ def test_a_held_dri_gpu_is_never_granted_again(
             with sandboxes(_exact(driver, pair[0])) as alone:
                 assert uuids(alone) == [free.uuid], f"the refused {pair} took {free.describe()}"
         rest = len(of_vendor) - 1
-        if rest:
+        if not rest:
+            dropped(
+                EXCLUSIVE_REQUESTS[2], f"needs two GPUs of one vendor; {_layout(_dri_gpus(driver))}"
+            )
+        else:
             others = sandboxes(_vendor(driver, vendor, rest))
             assert held.uuid not in uuids(others), (
                 f"{held.describe()} is held by another process; a count of {rest} got it"

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory, not_applicable
 from conformance.hold import REPLY_TIMEOUT_S, HeldSandbox, reap_from_a_fresh_process
 from conformance.observe import (
@@ -32,6 +33,12 @@ from gpuhost.errors import GpuBusy, GpusExhausted
 from gpuhost.spec import SandboxSpec
 
 CLI_TIMEOUT_S = 120
+DIMENSIONS = {
+    "SANDBOX-REAP-01": declared(
+        reaped_from=("a fresh process, its creator killed between creating and starting it",),
+        of_the_session=("a container created, never started (the engine's `ps --all`)",),
+    )
+}
 
 
 @pytest.fixture

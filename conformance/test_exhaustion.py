@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.bad_requests import COUNT, EXHAUSTED_FIELDS
 from conformance.bounds import unpaced
+from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory, exhaustion_grace
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
@@ -24,7 +26,7 @@ from conformance.observe import (
 from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpusExhausted
+from gpuhost.errors import DriverError, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SandboxSpec
 
 
@@ -114,25 +116,15 @@ def test_each_pool_says_its_own_numbers(
     driver: Driver, sandboxes: SandboxFactory, settings: Settings
 ) -> None:
     """GpusExhausted MUST count the pool asked of: a MIG profile's instances, a vendor's GPUs."""
-    pools: dict[str, tuple[GpuDevice, ...]] = {}
-    block: dict[str, dict[str, str]] = {}
-    if driver.capabilities.mig_profiles:
-        for profile in sorted({mig.profile for mig in driver.host.mig_devices}):
-            pools[profile] = tuple(m for m in driver.host.mig_devices if m.profile == profile)
-            block[profile] = {"mig_profile": profile}
-    for vendor in sorted({gpu.vendor for gpu in driver.host.dri_gpus}):
-        if vendor in driver.capabilities.vendors:
-            pools[vendor] = tuple(g for g in driver.host.dri_gpus if g.vendor == vendor)
-            block[vendor] = {"vendor": vendor}
     limit = driver.capabilities.max_gpus_per_sandbox
-    pools = {name: pool for name, pool in pools.items() if 2 <= len(pool) <= limit}
+    pools = {name: found for name, found in _pools(driver).items() if 2 <= len(found[0]) <= limit}
     if not pools:
         pytest.skip("needs MIG instances or AMD/Intel GPUs, two of a kind at least")
-    for name, pool in pools.items():
+    for name, (pool, block) in pools.items():
         start = time.monotonic()
-        held = sandboxes(SandboxSpec.with_gpus(driver=driver.name, block=block[name]))
+        held = sandboxes(SandboxSpec.with_gpus(driver=driver.name, block=block))
         bound_s = time.monotonic() - start + exhaustion_grace(driver, settings)
-        asked = SandboxSpec.with_gpus(len(pool), driver=driver.name, block=block[name])
+        asked = SandboxSpec.with_gpus(len(pool), driver=driver.name, block=block)
         outcome, _ = _create_within(sandboxes, asked, bound_s + 5)
         assert isinstance(outcome, GpusExhausted), (
             f"all {len(pool)} of {name} asked for while one is held: expected GpusExhausted, "
@@ -140,6 +132,90 @@ def test_each_pool_says_its_own_numbers(
         )
         _assert_says(outcome, len(pool), len(pool) - 1, len(pool))
         held.close()
+
+
+POOLS = ("the default GPUs", "a MIG profile's instances", "a vendor's GPUs")
+FIELDS = EXHAUSTED_FIELDS
+DIMENSIONS = {
+    "GPU-EXHAUST-01": declared(
+        pool=POOLS,
+        request=("a count of 2, 1 free", "a default request, none free"),
+        field=FIELDS,
+        bound=("a create here plus the driver's grace", "a create that never returns"),
+    ),
+    "GPU-EXHAUST-02": declared(
+        pool=POOLS,
+        field=FIELDS,
+        state=("one of the pool held: available is not total",),
+        refusal=("GpusExhausted, each field by value", "UnsupportedGpuRequest at the count"),
+    ),
+}
+
+
+def _more_than_exist(
+    driver: Driver, sandboxes: SandboxFactory, pool: str, block: dict[str, str], total: int
+) -> None:
+    """One of ``pool`` held, ``total + 1`` of it asked: refused, saying how many exist."""
+    __tracebackhide__ = True
+    held = sandboxes(SandboxSpec.with_gpus(driver=driver.name, block=block))
+    requested, available = total + 1, total - len(held.gpus)
+    leases = driver.host.leases.leases()
+    asked = f"{requested} of {pool} asked for, {available} free of {total}"
+    spec = SandboxSpec.with_gpus(requested, driver=driver.name, block=block)
+    try:
+        made = sandboxes(spec)
+    except DriverError as exc:
+        outcome = exc
+    else:
+        pytest.fail(f"{asked}: it was granted {uuids(made)}")
+    if isinstance(outcome, GpusExhausted):
+        _assert_says(outcome, requested, available, total)
+    elif isinstance(outcome, UnsupportedGpuRequest):
+        # Beyond a per-sandbox maximum: refused at the count, saying how many exist.
+        assert (outcome.field, outcome.value) == (COUNT, requested), f"{asked}: {outcome!r}"
+        assert re.search(rf"\b{total}\b", str(outcome)), f"{asked}: it does not say {total}"
+    else:
+        pytest.fail(f"{asked}: expected GpusExhausted or UnsupportedGpuRequest, got {outcome!r}")
+    assert driver.host.leases.leases() == leases, f"{asked}: the refusal took some"
+    held.close()
+
+
+@pytest.mark.requirement("GPU-EXHAUST-02")
+def test_more_gpus_than_exist_says_how_many_exist(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """A request for more GPUs than exist MUST fail saying how many exist, taking nothing."""
+    # One held: the numbers differ, and each must be the right one (not merely appear).
+    _more_than_exist(driver, sandboxes, POOLS[0], {}, len(driver.inventory()))
+    assert_all_gpus_grantable(driver, after="asking for more GPUs than exist")
+
+
+@pytest.mark.chooses_pools
+@pytest.mark.requirement("GPU-EXHAUST-02")
+def test_more_than_a_pool_has_says_how_many_it_has(
+    driver: Driver, sandboxes: SandboxFactory
+) -> None:
+    """More of a MIG profile or a vendor than the host has MUST fail saying how many it has."""
+    pools = _pools(driver)
+    if not pools:
+        pytest.skip("needs MIG instances or AMD/Intel GPUs")
+    for name, (pool, block) in pools.items():
+        which = POOLS[1] if "mig_profile" in block else POOLS[2]
+        _more_than_exist(driver, sandboxes, f"{which} ({name})", block, len(pool))
+
+
+def _pools(driver: Driver) -> dict[str, tuple[tuple[GpuDevice, ...], dict[str, str]]]:
+    """The MIG profiles and vendors (but NVIDIA's) the driver chooses among, with their block."""
+    pools: dict[str, tuple[tuple[GpuDevice, ...], dict[str, str]]] = {}
+    if driver.capabilities.mig_profiles:
+        for profile in sorted({mig.profile for mig in driver.host.mig_devices}):
+            of_profile = tuple(m for m in driver.host.mig_devices if m.profile == profile)
+            pools[profile] = (of_profile, {"mig_profile": profile})
+    for vendor in sorted({gpu.vendor for gpu in driver.host.dri_gpus}):
+        if vendor in driver.capabilities.vendors:
+            of_vendor = tuple(g for g in driver.host.dri_gpus if g.vendor == vendor)
+            pools[vendor] = (of_vendor, {"vendor": vendor})
+    return pools
 
 
 def _assert_fair_outcome(granted: list[list[str]], errors: list[BaseException], total: int) -> None:

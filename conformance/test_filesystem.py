@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from conformance.fixtures import SandboxFactory
-from conformance.observe import BOOT_ID
+from conformance.dimensions import declared
+from conformance.fixtures import Dropped, SandboxFactory
+from conformance.observe import BOOT_ID, COMMAND_PATHS, Run, ways_to_run
 from drivers.base import Driver, Sandbox
 from gpuhost.spec import SHARED, SandboxSpec
 
@@ -28,6 +30,30 @@ ENGINE_STATE = (
     "/run/podman",
 )
 """Where container engines and kubelet keep other containers' root filesystems and sockets."""
+DIMENSIONS = {
+    "SANDBOX-FS-01": declared(
+        path=COMMAND_PATHS,
+        reader=("no GPU", "a GPU", "a sharer of a GPU, where the driver shares"),
+        writer=(
+            "a sandbox without a GPU, running",
+            "a sandbox with a GPU, closed",
+            "a sharer of the reader's GPU",
+        ),
+        host_state=(
+            "the lease registry's directory", "the homes", "/var/tmp", "/run",
+            "a simulated host's root",
+        ),
+        mounted_under_any_name=(
+            "the lease files", "the registry's directory", "/home and every home", "/var/tmp",
+            "an engine's API socket",
+        ),
+        engine_state=ENGINE_STATE,
+        host_secret=(
+            "each file of the host's others may not read, under each directory the sandbox "
+            "shows at its path (by its SHA-256)",
+        ),
+    )
+}  # fmt: skip
 
 
 def _host_state_dirs(driver: Driver) -> list[Path]:
@@ -55,22 +81,78 @@ def _write_in_each(name: str) -> str:
     return f'while read -r d; do echo x > "$d/{name}"; done 2>/dev/null'
 
 
-HOST_SECRETS = (
-    "/etc/shadow", "/etc/gshadow", "/etc/sudoers",
-    "/etc/ssh/ssh_host_ed25519_key", "/etc/ssh/ssh_host_ecdsa_key", "/etc/ssh/ssh_host_rsa_key",
-)  # fmt: skip
-"""Files of the host that hold its credentials: a sandbox's own /etc may have some of these
-names, never the host's contents."""
+KERNEL_VIEWS = ("/proc", "/sys", "/dev")
+"""The kernel's views of processes and devices: no file of the host's is there to read."""
+SECRET_SIZE_LIMIT = 1 << 20
+"""Credentials are small (keys, password hashes, tokens): larger files are left unread."""
+_EVERY_DIRECTORY_SHOWN = (
+    f"find / \\( {' -o '.join(f'-path {view}' for view in KERNEL_VIEWS)} \\) -prune -o "
+    "-type d -print0 2>/dev/null; true"
+)
 
 
-def _host_secrets() -> dict[str, str]:
-    """Of ``HOST_SECRETS``, those this process can read on the host: their SHA-256 digests."""
-    found = {}
-    for path in HOST_SECRETS:
-        with contextlib.suppress(OSError):
-            if content := Path(path).read_bytes():
-                found[path] = hashlib.sha256(content).hexdigest()
-    return found
+class _HostSecrets:
+    """The host's files that others may not read, in the directories a sandbox shows.
+
+    By their SHA-256, each directory of the host read once. Where this process cannot read
+    one either (not root), it is named in ``unreadable``.
+    """
+
+    def __init__(self, left_out: list[Path]) -> None:
+        self._left_out = left_out
+        self._by_directory: dict[str, dict[str, str]] = {}
+        self.unreadable: list[str] = []
+
+    def shown_by(self, run: Run) -> dict[str, str]:
+        """Path → digest of each such file under a directory the sandbox shows by its path."""
+        listed = run(["sh", "-c", _EVERY_DIRECTORY_SHOWN]).check().stdout
+        found: dict[str, str] = {}
+        for directory in sorted({path for path in listed.split("\0") if path.startswith("/")}):
+            if directory not in self._by_directory:
+                self._by_directory[directory] = self._read(Path(directory))
+            found.update(self._by_directory[directory])
+        return found
+
+    def _read(self, directory: Path) -> dict[str, str]:
+        if any(directory.is_relative_to(place) for place in self._left_out):
+            return {}  # checked apart: no sandbox shows them at all
+        try:
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                return {}
+            entries = list(os.scandir(directory))
+        except OSError:
+            return {}
+        digests = {}
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & stat.S_IROTH:
+                continue
+            if not 0 < st.st_size <= SECRET_SIZE_LIMIT:
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                self.unreadable.append(entry.path)
+                continue
+            with os.fdopen(fd, "rb") as file:
+                digests[entry.path] = hashlib.sha256(file.read()).hexdigest()
+        return digests
+
+
+def _readable_secrets(run: Run, secrets: dict[str, str]) -> list[str]:
+    """Of ``secrets`` (path → the host's digest), those a command reads the host's content of."""
+    paths = sorted(secrets)
+    read: dict[str, str] = {}
+    for at in range(0, len(paths), 200):
+        chunk = paths[at : at + 200]
+        digests = run(["sh", "-c", 'sha256sum -- "$@" 2>/dev/null; true', "sh", *chunk])
+        for line in digests.stdout.splitlines():
+            digest, _, path = line.partition("  ")
+            read[path] = digest
+    return [path for path in paths if read.get(path) == secrets[path]]
 
 
 ENGINE_SOCKETS = (
@@ -126,13 +208,13 @@ def _where_on_its_file_system(path: Path, host: list[_Mount]) -> tuple[str, Pure
     return mount.device, PurePosixPath(mount.root) / resolved.relative_to(mount.point)
 
 
-def _mounts_exposing(sandbox: Sandbox, places: dict[Path, bool]) -> list[str]:
-    """The sandbox's mounts that show one of ``places`` (or a part, where True), by any name.
+def _mounts_exposing(run: Run, places: dict[Path, bool]) -> list[str]:
+    """The mounts a command sees that show one of ``places`` (or a part, where True), by any name.
 
     Only where the sandbox runs on this kernel (a container, a namespace): a VM's device
     numbers are its own kernel's.
     """
-    inside = sandbox.exec(["cat", str(BOOT_ID), "/proc/self/mountinfo"])
+    inside = run(["cat", str(BOOT_ID), "/proc/self/mountinfo"])
     boot, _, table = inside.check().stdout.partition("\n")
     if boot.strip() != BOOT_ID.read_text().strip():
         return []
@@ -172,7 +254,7 @@ def _planted(places: list[Path], name: str) -> Iterator[list[Path]]:
 
 @pytest.mark.requirement("SANDBOX-FS-01")
 def test_nothing_of_other_sandboxes_or_the_host_is_visible(
-    driver: Driver, sandboxes: SandboxFactory
+    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
 ) -> None:
     """A sandbox MUST see no file of another sandbox and none of the host's private state."""
     marker = f"gpu-sandbox-fs-probe-{uuid.uuid4().hex[:12]}"
@@ -192,23 +274,43 @@ def test_nothing_of_other_sandboxes_or_the_host_is_visible(
         # Sharers of one GPU: whatever the driver gives them for sharing is theirs alone too.
         shared = SandboxSpec.with_gpus(sharing=SHARED)
         readers.append((shared, shared))
-    secrets = _host_secrets()
+    engine_state = [Path(path) for path in ENGINE_STATE]
+    secrets = _HostSecrets([*engine_state, *_host_state_dirs(driver)])
     with _planted(_host_state_dirs(driver), f"{marker}-host") as planted:
         assert planted, "could not write a single probe file on the host"
         for spec, writer in readers:
             if writer is not None:
                 sandboxes(writer).exec(["sh", "-c", write])
             with sandboxes(spec) as second:
-                _assert_sees_nothing_of_others(driver, second, marker, first.id, planted, secrets)
+                for way, run in ways_to_run(second).items():
+                    seen = _Seen(second, way, run)
+                    _assert_sees_nothing_of_others(driver, seen, marker, first.id, planted, secrets)
+    if secrets.unreadable:
+        dropped(
+            "the host's files others may not read, this user neither",
+            f"run as uid {os.geteuid()}, it cannot read {sorted(secrets.unreadable)[:3]}...",
+        )
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A sandbox as the commands of one path to a command see it."""
+
+    sandbox: Sandbox
+    way: str
+    run: Run
+
+    def __str__(self) -> str:
+        return f"sandbox {self.sandbox.id} (through {self.way})"
 
 
 def _assert_sees_nothing_of_others(
     driver: Driver,
-    second: Sandbox,
+    second: _Seen,
     marker: str,
     first_id: str,
     planted: list[Path],
-    secrets: dict[str, str],
+    secrets: _HostSecrets,
 ) -> None:
     """No file another sandbox wrote or the driver keeps for it; none of the host's state."""
     __tracebackhide__ = True
@@ -218,24 +320,20 @@ def _assert_sees_nothing_of_others(
         "find / \\( -path /proc -o -path /sys -o -path /usr \\) -prune -o "
         f"\\( -name '{marker}*' -o -name '*{first_id}*' \\) -print 2>/dev/null; true"
     )
-    found = second.exec(["sh", "-c", search]).check().stdout.split()
+    found = second.run(["sh", "-c", search]).check().stdout.split()
     assert found == [], (
-        f"sandbox {second.id} sees files of another sandbox or of the host ({planted}): {found}"
+        f"{second} sees files of another sandbox or of the host ({planted}): {found}"
     )
     # Under any name: a mount of the host's private state is told by what it mounts.
-    exposed = _mounts_exposing(second, _private_places(driver))
-    assert exposed == [], f"sandbox {second.id} mounts the host's private state: {exposed}"
+    exposed = _mounts_exposing(second.run, _private_places(driver))
+    assert exposed == [], f"{second} mounts the host's private state: {exposed}"
     listing = " ".join(f'[ -e {path} ] && echo "{path}";' for path in ENGINE_STATE)
-    seen = second.exec(["sh", "-c", f"{listing} true"]).check().stdout.split()
+    seen = second.run(["sh", "-c", f"{listing} true"]).check().stdout.split()
     present = [path for path in ENGINE_STATE if os.path.exists(path)]
-    assert not set(seen) & set(present), (
-        f"sandbox {second.id} sees the engines' state of the host: {seen}"
+    assert not set(seen) & set(present), f"{second} sees the engines' state of the host: {seen}"
+    # Every file of the host's that others may not read, wherever the sandbox shows its
+    # directory: not a list of names (/etc/shadow- is /etc/shadow of yesterday).
+    readable = _readable_secrets(second.run, secrets.shown_by(second.run))
+    assert readable == [], (
+        f"{second} reads the host's files that others may not read on the host: {readable}"
     )
-    digests = f"sha256sum {' '.join(secrets)} 2>/dev/null; true" if secrets else "true"
-    read = {
-        line.split()[-1]: line.split()[0]
-        for line in second.exec(["sh", "-c", digests]).stdout.splitlines()
-        if len(line.split()) == 2
-    }
-    readable = sorted(path for path, digest in secrets.items() if read.get(path) == digest)
-    assert readable == [], f"sandbox {second.id} reads the host's secrets {readable}"

@@ -7,7 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conformance import requirements
-from conformance.fixtures import SandboxFactory
+from conformance.dimensions import declared
+from conformance.fixtures import Dropped, SandboxFactory
+from conformance.forms import EXACT_FORMS, PCI_CASES, is_pci_address, pci_case
 from conformance.hold import HeldSandbox
 from conformance.observe import (
     create_side_by_side,
@@ -105,14 +107,45 @@ def test_default_request_avoids_gpus_held_by_another_process(
 
 OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: their blocks are not this driver's."""
+DIMENSIONS = {
+    "GPU-DEFAULT-02": declared(
+        held_by=("a sandbox of this process", "a sandbox of another process"),
+        when=(
+            "every GPU held, then one freed",
+            "one in the middle freed",
+            "after another process closes its sandbox",
+        ),
+        asked_by=("a default request", "an exact ID of the held GPU"),
+    ),
+    "GPU-EXACT-01": declared(
+        form=(*EXACT_FORMS, "the host's CDI names"),
+        pci_address_case=PCI_CASES,
+        gpu=("every GPU, side by side", "two in mixed forms, in both orders"),
+        other_blocks=("before its own", "after its own"),
+    ),
+    "GPU-BUSY-01": declared(
+        form=("every form the driver lists",),
+        beside=("alone", "a free device"),
+        held_by=("a sandbox of this process", "a sandbox of another process"),
+    ),
+}
 
 
 def _exact(driver: Driver, device_ids: list[str], count: int | None = None) -> SandboxSpec:
     return SandboxSpec.with_gpus(count, driver=driver.name, device_ids=device_ids)
 
 
+def _every_spelling(driver: Driver, gpu: GpuDevice) -> list[str]:
+    """The IDs to ask ``gpu`` by (``exact_ids``), a PCI address among them in either case."""
+    ids = exact_ids(driver, gpu)
+    cases = [pci_case(i, case) for i in ids if is_pci_address(i) for case in PCI_CASES]
+    return list(dict.fromkeys([*ids, *cases]))
+
+
 @pytest.mark.requirement("GPU-EXACT-01")
-def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxFactory) -> None:
+def test_exact_ids_get_exactly_those_devices(
+    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
+) -> None:
     """A request naming exact device IDs MUST give exactly those devices, in every form."""
     inventory = driver.inventory()
     if not driver.capabilities.exact_ids:
@@ -129,7 +162,7 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
             )
 
     def every_form(gpu: GpuDevice) -> None:
-        for device_id in exact_ids(driver, gpu):
+        for device_id in _every_spelling(driver, gpu):
             one(gpu, device_id)
 
     def mixed(pair: tuple[GpuDevice, GpuDevice], form: int) -> None:
@@ -146,7 +179,9 @@ def test_exact_ids_get_exactly_those_devices(driver: Driver, sandboxes: SandboxF
     # Every GPU at once, each named in every form in turn: sandboxes held side by side.
     with ThreadPoolExecutor(len(inventory)) as pool:
         list(pool.map(every_form, inventory))
-    if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
+    if len(inventory) < 2:
+        dropped("two GPUs in mixed forms", "the host has one")
+    elif driver.capabilities.max_gpus_per_sandbox >= 2:
         # Two GPUs named in mixed forms: each form beside each other one. The pairs (last and
         # second, then inwards) side by side, each taking its forms in turn, the later GPU
         # first in one pair and second in the next. The first GPU is named by none of them
@@ -185,7 +220,7 @@ def test_only_the_drivers_own_block_is_read(driver: Driver, sandboxes: SandboxFa
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-BUSY-01")
 def test_exact_id_held_by_another_sandbox_is_busy(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped
 ) -> None:
     """A request naming a device another sandbox holds MUST fail with GpuBusy, not share it."""
     if not driver.capabilities.exact_ids:
@@ -198,7 +233,9 @@ def test_exact_id_held_by_another_sandbox_is_busy(
         with pytest.raises(GpuBusy) as busy:
             sandboxes(_exact(driver, [device_id]))
         assert target.uuid in str(busy.value) or device_id in str(busy.value), str(busy.value)
-    if len(inventory) >= 2 and driver.capabilities.max_gpus_per_sandbox >= 2:
+    if len(inventory) < 2:
+        dropped("beside a free device", "one GPU: no other is free beside the held one")
+    elif driver.capabilities.max_gpus_per_sandbox >= 2:
         # Beside a free device: refused whole, and the free one is still free.
         free = driver.device_ids(inventory[0])[0]
         with pytest.raises(GpuBusy):

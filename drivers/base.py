@@ -42,7 +42,7 @@ from drivers.commands import check_argv as check_argv
 from drivers.commands import check_timeout as check_timeout
 from drivers.commands import write_all as write_all
 from drivers.sandbox import Sandbox as Sandbox
-from gpuhost.devices import GpuDevice
+from gpuhost.devices import GpuDevice, pci_spellings
 from gpuhost.errors import (
     DuplicateGpuDevice,
     GpuCountMismatch,
@@ -300,9 +300,15 @@ class Driver(ABC):
             )
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
-        """Every exact ID this driver takes, with the GPUs it names: each device's own IDs."""
+        """Every exact ID this driver takes, with the GPUs it names: each device's own IDs.
+
+        A PCI address it lists names its device in either letter case (``pci_spellings``).
+        """
         return {
-            device_id: (gpu,) for gpu in self.exact_devices() for device_id in self.device_ids(gpu)
+            spelling: (gpu,)
+            for gpu in self.exact_devices()
+            for device_id in self.device_ids(gpu)
+            for spelling in pci_spellings(device_id)
         }
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:

@@ -113,6 +113,9 @@ class DockerDriver(ContainerDriver):
             labels=dict(request.labels),
             environment=dict(request.env),
             host_config=host_config,
+            # docker-py adds the proxies of the creator's client configuration
+            # (~/.docker/config.json, DOCKER_CONFIG), credentials and all, unless told not to.
+            use_config_proxy=False,
         )
         return str(created["Id"])
 

@@ -81,6 +81,10 @@ class PodmanDriver(ContainerDriver):
             name=request.name,
             labels=dict(request.labels),
             environment=dict(request.env),
+            # Podman forwards the proxy variables of its service's environment (http_proxy,
+            # https_proxy, ftp_proxy, no_proxy, both cases), credentials and all, unless told
+            # not to: the CLI by default, the API as its version and containers.conf decide.
+            use_config_proxy=False,
             init=True,  # reaps what timed-out execs leave behind
             network_mode="none",
             cap_drop=["ALL"],

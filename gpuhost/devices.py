@@ -41,6 +41,18 @@ def normalize_pci_bus_id(bus_id: str) -> str:
     return f"{domain:04x}:{match['bus'].lower()}:{match['dev'].lower()}.{match['fn']}"
 
 
+def pci_spellings(device_id: str) -> tuple[str, ...]:
+    """The spellings that name what ``device_id`` names: itself, and a PCI address's other case.
+
+    A PCI address is one ID in either letter case: the kernel writes its hex digits in lower
+    case (``0000:c1:00.0``), NVML in upper case (``0000:C1:00.0``). Any other ID is spelled
+    one way only, and so is a PCI address in another form (another domain width, none).
+    """
+    if not _BUS_ID.fullmatch(device_id):
+        return (device_id,)
+    return tuple(dict.fromkeys((device_id, device_id.lower(), device_id.upper())))
+
+
 @dataclass(frozen=True, order=True)
 class DeviceNode:
     """A character device that carries a GPU into a sandbox.

@@ -203,13 +203,17 @@ class Keepalive:
 
 
 def remove_session(directory: Path, session_id: str) -> None:
-    """Remove the keepalive FIFOs a session left in this user's ``directory`` (a reap)."""
+    """Remove the keepalive FIFOs a session left in this user's ``directory`` (a reap).
+
+    Each is named ``<session>.<sandbox>``, and a sandbox id has no '.': session ``1``'s are
+    not session ``1.1``'s, whose names begin with ``1.`` too.
+    """
     fd = open_directory(directory, make=False)
     if fd is None:
         return
     try:
         for name in os.listdir(fd):
-            if name.startswith(f"{session_id}."):
+            if name.rpartition(".")[0] == session_id:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=fd)
     finally:

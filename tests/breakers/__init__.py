@@ -16,6 +16,7 @@ from types import ModuleType
 
 from tests.breakers import (
     dri,
+    environment,
     execution,
     exhaustion,
     filesystem,
@@ -33,8 +34,8 @@ from tests.breakers import (
 from tests.breakers.base import BrokenDriver
 
 AREAS: tuple[ModuleType, ...] = (
-    visibility, selection, validation, exhaustion, hostwide, lifecycle, execution, filesystem,
-    namespaces, peers, privileges, sharing, mig, dri,
+    visibility, selection, validation, exhaustion, hostwide, lifecycle, execution, environment,
+    filesystem, namespaces, peers, privileges, sharing, mig, dri,
 )  # fmt: skip
 """The reference driver's breakers, a module per area, in the catalogue's order."""
 

@@ -14,7 +14,9 @@ import shlex
 import subprocess
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import ClassVar
+from typing import Any, ClassVar, cast
+
+import docker
 
 from drivers.container import (
     KEEPALIVE_PATH,
@@ -286,6 +288,29 @@ class PodmanNoNewPrivilegesAsSecurityOpt(BrokenContainerDriver, PodmanDriver):
     security = MappingProxyType({"security_opt": ["no-new-privileges"]})
 
 
+class _ConfigProxiesApi:
+    """docker-py's client as it is by default: ``use_config_proxy=True`` on each create."""
+
+    def __init__(self, api: docker.APIClient) -> None:
+        self._api = api
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def create_container(self, *args: Any, **kwargs: Any) -> Any:
+        return self._api.create_container(*args, **{**kwargs, "use_config_proxy": True})
+
+
+class DockerForwardsConfigProxies(BrokenContainerDriver, DockerDriver):
+    """SANDBOX-ENV-01: docker-py's default: its client configuration's proxies go inside."""
+
+    BREAKS = "SANDBOX-ENV-01"
+
+    @property
+    def api(self) -> docker.APIClient:
+        return cast("docker.APIClient", _ConfigProxiesApi(DockerDriver.api.fget(self)))  # type: ignore[attr-defined]
+
+
 ALL: tuple[type[BrokenContainerDriver], ...] = (
     DockerRoundRobinDefault,
     DockerAllOnDefault,
@@ -312,4 +337,5 @@ ALL: tuple[type[BrokenContainerDriver], ...] = (
     DockerGainsPrivileges,
     DockerSystemPathsUnconfined,
     PodmanNoNewPrivilegesAsSecurityOpt,
+    DockerForwardsConfigProxies,
 )

@@ -1,29 +1,35 @@
-"""Planted breakers of running a command in a sandbox: SANDBOX-EXEC-01, SANDBOX-ENV-01.
+"""Planted breakers of running a command in a sandbox: SANDBOX-EXEC-01.
 
-Exit code, output, timeout and environment of ``exec`` and ``exec_stream``. Their tests: the
-exec and env tests of conformance/test_exec.py.
+Exit code, output and timeout of ``exec`` and ``exec_stream``. Their tests: the exec tests of
+conformance/test_exec.py. What a sandbox on one path to a command alone gets wrong is made
+of ``OnePath`` and ``run_entered``, here too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import signal
+import subprocess
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from typing import ClassVar
 
+from conformance.observe import COMMAND_PATHS
 from drivers.base import (
     DEFAULT_EXEC_TIMEOUT_S,
     KEPT_BYTES,
     Command,
     CommandTimedOut,
-    Launch,
     Output,
 )
+from drivers.host_process import HOST_ENV, tool
 from drivers.reference import ReferenceSandbox
-from gpuhost.procfs import EXEC_MARKER_ENV, each_process
-from tests.breakers.base import BrokenDriver
+from drivers.reference_sandbox import NAMESPACES
+from gpuhost.procfs import EXEC_MARKER_ENV, each_process, kill_marked, marked_processes
+from tests.breakers.base import BrokenDriver, family
 
 
 class _LyingSandbox(ReferenceSandbox):
@@ -273,52 +279,129 @@ class ExecNeverReturnsPastItsTimeout(BrokenDriver):
     SANDBOX = _HangsAtItsTimeout
 
 
-class HostEnvironmentLeaks(BrokenDriver):
-    """SANDBOX-ENV-01: commands get the creating process's whole environment, the spec's over it."""
-
-    BREAKS = "SANDBOX-ENV-01"
-
-    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        return {**os.environ, **super().sandbox_env(extra)}
+_WAY: contextvars.ContextVar[str] = contextvars.ContextVar("way", default="exec")
+"""The path the command being run came by, in this thread: ``exec`` or ``exec_stream``."""
 
 
-class SpecEnvCannotOverrideDefaults(BrokenDriver):
-    """SANDBOX-ENV-01: the driver's PATH, HOME and LANG go over the spec's env."""
+class OnePath(ReferenceSandbox):
+    """A sandbox whose defect is on one path to a command (``BROKEN_ON``) alone."""
 
-    BREAKS = "SANDBOX-ENV-01"
+    BROKEN_ON: ClassVar[str]
 
-    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        return {**extra, **super().sandbox_env({})}
+    def run(self, command: Command, output: Output) -> int:
+        token = _WAY.set("exec" if output.fds is None else "exec_stream")
+        try:
+            return super().run(command, output)
+        finally:
+            _WAY.reset(token)
 
-
-class DropsLoaderVariables(BrokenDriver):
-    """SANDBOX-ENV-01: drops the loader's variables (LD_*) from the spec's env, "for safety"."""
-
-    BREAKS = "SANDBOX-ENV-01"
-
-    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        return super().sandbox_env({k: v for k, v in extra.items() if not k.startswith("LD_")})
+    def broken(self) -> bool:
+        return _WAY.get() == self.BROKEN_ON
 
 
-class ForcesCudaVisibleDevices(BrokenDriver):
-    """SANDBOX-ENV-01: sets CUDA_VISIBLE_DEVICES to its NVIDIA GPUs' UUIDs, over the spec's own."""
-
-    BREAKS = "SANDBOX-ENV-01"
-
-    def start(self, launch: Launch) -> ReferenceSandbox:
-        sandbox = super().start(launch)
-        nvidia = [gpu.uuid for gpu in launch.gpus if gpu.vendor == "nvidia"]
-        if nvidia:
-            sandbox._env = {**sandbox._env, "CUDA_VISIBLE_DEVICES": ",".join(nvidia)}
-        return sandbox
+def way_name(way: str) -> str:
+    return "ExecStream" if way == "exec_stream" else "Exec"
 
 
-class ForwardsGpuKnobs(BrokenDriver):
-    """SANDBOX-ENV-01: the creator's CUDA_, NVIDIA_, NCCL_ and TORCH_ variables reach inside."""
+class EnteredOnOnePath(ReferenceSandbox):
+    """On ``BROKEN_ON`` alone, a command is entered otherwise than the reference enters it.
 
-    BREAKS = "SANDBOX-ENV-01"
+    nsenter takes ``ENTER`` (the reference: every namespace, its root and working directory),
+    then ``BEFORE_SETPRIV`` runs as the host's root before the command becomes the sandbox's
+    user. Run by root, as the catalogue's planted breakers are.
+    """
 
-    def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        knobs = ("CUDA_", "NVIDIA_", "NCCL_", "TORCH_")  # "the host's GPU tuning, forwarded"
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(knobs)}
-        return {**forwarded, **super().sandbox_env(extra)}
+    BROKEN_ON: ClassVar[str]
+    ENTER: ClassVar[tuple[str, ...]] = (*NAMESPACES, "--root", "--wd")
+
+    def before_setpriv(self) -> list[str]:
+        return []
+
+    def run(self, command: Command, output: Output) -> int:
+        if (output.fds is None) != (self.BROKEN_ON == "exec"):
+            return super().run(command, output)
+        assert os.geteuid() == 0, "a planted breaker that enters sandboxes as root"
+        env = self.command_env(command)
+        argv = [
+            tool("nsenter"), f"--target={self._child_pid}", *self.ENTER, *self.before_setpriv(),
+            "setpriv", *self._as_sandbox_user, *self.exec_privileges, "--",
+            "env", "-i", *(f"{key}={value}" for key, value in env.items()), *command.argv,
+        ]  # fmt: skip
+        stdout, stderr = output.fds or (subprocess.PIPE, subprocess.PIPE)
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=HOST_ENV,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return output.read_from(process, command.timeout)
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            kill_marked(command.needle)
+            process.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise CommandTimedOut from None
+            raise
+
+
+def _hides_exit_code(way: str) -> type[BrokenDriver]:
+    class _Sandbox(OnePath):
+        BROKEN_ON = way
+
+        def run(self, command: Command, output: Output) -> int:
+            returncode = super().run(command, output)
+            return 0 if (output.fds is None) == (way == "exec") else returncode
+
+    class HidesExitCode(BrokenDriver):
+        __doc__ = f"SANDBOX-EXEC-01: {way} reports success whatever the command returned."
+        BREAKS = "SANDBOX-EXEC-01"
+        SANDBOX = _Sandbox
+
+    HidesExitCode.__name__ = HidesExitCode.__qualname__ = f"HidesExitCodeOn{way_name(way)}"
+    return HidesExitCode
+
+
+HIDES_EXIT_CODE = family(globals(), COMMAND_PATHS, _hides_exit_code)
+
+
+TERM_GRACES_S = (2, 5, 10)
+"""What a driver may wait after SIGTERM: docker stop waits 10 s by default."""
+
+
+def _term_then_wait(grace: str) -> type[BrokenDriver]:
+    seconds = float(grace)
+
+    class _Sandbox(ReferenceSandbox):
+        def run(self, command: Command, output: Output) -> int:
+            termed = threading.Event()
+
+            def term() -> None:  # "let it end cleanly": SIGTERM first, SIGKILL after a grace
+                termed.set()
+                for pid in marked_processes(command.needle):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+
+            timer = threading.Timer(command.timeout, term)
+            timer.start()
+            try:
+                later = dataclasses.replace(command, timeout=command.timeout + seconds)
+                returncode = super().run(later, output)
+            finally:
+                timer.cancel()
+            if termed.is_set():
+                raise CommandTimedOut
+            return returncode
+
+    class TermThenWait(BrokenDriver):
+        __doc__ = (
+            f"SANDBOX-EXEC-01: at a timeout, SIGTERM, then SIGKILL {grace} s later: a command "
+            "deaf to SIGTERM runs that much past its timeout."
+        )
+        BREAKS = "SANDBOX-EXEC-01"
+        SANDBOX = _Sandbox
+
+    TermThenWait.__name__ = TermThenWait.__qualname__ = f"TermThenWait{grace}s"
+    return TermThenWait
+
+
+TERM_THEN_WAIT = family(globals(), [str(grace) for grace in TERM_GRACES_S], _term_then_wait)

@@ -1,4 +1,4 @@
-"""Planted breakers of exhaustion and racing creates: GPU-EXHAUST-01, GPU-CONCURRENT-01/02.
+"""Planted breakers of exhaustion and racing creates: GPU-EXHAUST-01/02, GPU-CONCURRENT-01/02.
 
 More than is free fails promptly, and racing creates never share a GPU. Their tests:
 conformance/test_exhaustion.py.
@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from conformance.bad_requests import EXHAUSTED_FIELDS
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpusExhausted
 from gpuhost.leases import DEFAULT_SHARE_LIMIT, EXCLUSIVE, Holder, Lease, LeaseOwner
 from gpuhost.spec import GpuPlan
-from tests.breakers.base import BrokenDriver, BrokenRegistry
+from tests.breakers.base import BrokenDriver, BrokenRegistry, class_name, family
 
 
 class ShortChangesOnExhaustion(BrokenDriver):
@@ -88,6 +90,48 @@ class ExhaustedCountsDefaultPool(BrokenDriver):
             inventory = self.inventory()
             free = self.host.leases.free(inventory)
             raise GpusExhausted(plan.count, len(free), len(inventory)) from None
+
+
+def _swaps(pair: str) -> type[BrokenDriver]:
+    one, _, other = pair.partition(" and ")
+
+    class Swaps(BrokenDriver):
+        __doc__ = f"GPU-EXHAUST-02: asked more than exist, GpusExhausted swaps {one} and {other}."
+        BREAKS = "GPU-EXHAUST-02"
+
+        def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+            try:
+                return super().allocate(sandbox_id, plan)
+            except GpusExhausted as exc:
+                if exc.requested <= exc.total:
+                    raise
+                said = {field: getattr(exc, field) for field in EXHAUSTED_FIELDS}
+                said[one], said[other] = said[other], said[one]
+                raise GpusExhausted(**said) from None
+
+    Swaps.__name__ = Swaps.__qualname__ = f"Swaps{class_name(pair)}"
+    return Swaps
+
+
+family(globals(), [f"{a} and {b}" for a, b in itertools.combinations(EXHAUSTED_FIELDS, 2)], _swaps)
+
+
+class TotalCountsEveryDevice(BrokenDriver):
+    """GPU-EXHAUST-02: asked more than exist, its total counts every device of every kind.
+
+    "only 6 selectable of 22": the 6 default GPUs free, of 22 devices with MIG instances and
+    DRI GPUs; a check that only finds the number 6 in the message passes it.
+    """
+
+    BREAKS = "GPU-EXHAUST-02"
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().allocate(sandbox_id, plan)
+        except GpusExhausted as exc:
+            if exc.requested <= exc.total:
+                raise
+            raise GpusExhausted(exc.requested, exc.available, len(self.host.devices)) from None
 
 
 RACE_WINDOW_S = 0.25

@@ -10,12 +10,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from conformance.observe import COMMAND_PATHS
 from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
+from drivers.reference_sandbox import NAMESPACES
 from gpuhost.devices import GpuDevice
 from gpuhost.spec import SHARED
 from gpuhost.uids import SandboxUser
-from tests.breakers.base import BrokenDriver, with_binds
+from tests.breakers.base import BrokenDriver, family, with_binds
+from tests.breakers.execution import EnteredOnOnePath, way_name
 
 
 class HostRootVisible(BrokenDriver):
@@ -128,3 +131,58 @@ class SharedGpuMpsDir(BrokenDriver):
         mps.chmod(0o1777)
         argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)
         return self._start(launch, with_binds(argv, "--bind", str(mps), "/tmp/nvidia-mps"))
+
+
+OLD_SECRETS = (
+    "/etc/shadow", "/etc/gshadow", "/etc/sudoers",
+    "/etc/ssh/ssh_host_ed25519_key", "/etc/ssh/ssh_host_ecdsa_key", "/etc/ssh/ssh_host_rsa_key",
+)  # fmt: skip
+"""The host's credentials SANDBOX-FS-01 named until it read every file others may not."""
+
+
+class MasksTheOldListOnly(BrokenDriver):
+    """SANDBOX-FS-01: runs as the host's root and masks only a list of names: /etc/shadow's.
+
+    /etc/shadow- and /etc/gshadow- (yesterday's), and every other file of the host that
+    others may not read, are read inside.
+    """
+
+    BREAKS = "SANDBOX-FS-01"
+
+    def as_sandbox_user(self, gpus: Sequence[GpuDevice], user: SandboxUser | None) -> list[str]:
+        return []
+
+    def root_argv(self) -> list[str]:
+        argv, kept, at = super().root_argv(), [], 0
+        while at < len(argv):  # every mask under /etc dropped...
+            if argv[at : at + 2] == ["--ro-bind", "/dev/null"] and argv[at + 2].startswith("/etc/"):
+                at += 3
+            elif argv[at] == "--tmpfs" and argv[at + 1].startswith("/etc/"):
+                at += 2
+            else:
+                kept.append(argv[at])
+                at += 1
+        for secret in OLD_SECRETS:  # ...but the list's
+            if Path(secret).exists():
+                kept += ["--ro-bind", "/dev/null", secret]
+        return kept
+
+
+def _host_files_on(way: str) -> type[BrokenDriver]:
+    class _Sandbox(EnteredOnOnePath):
+        BROKEN_ON = way
+        ENTER = tuple(arg for arg in NAMESPACES if arg != "--mount")
+
+    class HostFiles(BrokenDriver):
+        __doc__ = (
+            f"SANDBOX-FS-01: a command run through {way} is entered without the sandbox's "
+            "mount namespace and root: it sees the host's files (to write where it streams)."
+        )
+        BREAKS = "SANDBOX-FS-01"
+        SANDBOX = _Sandbox
+
+    HostFiles.__name__ = HostFiles.__qualname__ = f"HostFilesOn{way_name(way)}"
+    return HostFiles
+
+
+HOST_FILES_ON = family(globals(), COMMAND_PATHS, _host_files_on)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from conformance.test_reap import NEIGHBOUR_FORMS
 from drivers import reference
 from drivers.base import Launch, Sandbox
 from drivers.reference import ReferenceSandbox
@@ -19,7 +21,7 @@ from gpuhost.leases import Holder, LeaseOwner, process_running
 from gpuhost.procfs import each_process
 from gpuhost.spec import GpuPlan, SandboxSpec
 from gpuhost.wait import wait_for
-from tests.breakers.base import BrokenDriver
+from tests.breakers.base import BrokenDriver, family
 
 
 class _ReleaseFirstSandbox(ReferenceSandbox):
@@ -200,15 +202,73 @@ def _running_sessions() -> set[str]:
     return found
 
 
-class ReapMatchesPrefix(BrokenDriver):
-    """SANDBOX-REAP-01: reap takes every session whose id starts with the one asked: 1 reaps 10."""
+_CONFUSIONS: dict[str, tuple[str, Callable[[str, str], bool], str]] = {
+    "id0": (
+        "NumberedRetries",
+        lambda asked, other: other.startswith(asked) and other[len(asked) :].isdigit(),
+        "a session and its numbered retries",
+    ),
+    "id.1": (
+        "DottedSubsessions",
+        lambda asked, other: other.startswith(f"{asked}."),
+        "a session and its sub-sessions, id.<n>",
+    ),
+    "id-retry": (
+        "WordBoundary",
+        lambda asked, other: re.search(rf"\b{re.escape(asked)}\b", other) is not None,
+        "the sessions its id matches as a word, as `grep -w` does",
+    ),
+    "id_2": (
+        "UnderscoreSuffix",
+        lambda asked, other: other.startswith(f"{asked}_"),
+        "a session and those its id names with '_' after it",
+    ),
+    "ID": (
+        "CaseFolded",
+        lambda asked, other: other.lower() == asked.lower(),
+        "session ids compared in lower case, as DNS names are",
+    ),
+    "pre-id": (
+        "Substring",
+        lambda asked, other: asked in other,
+        "every session whose id holds its id, as a plain `grep` does",
+    ),
+    "id with its '.' another character": (
+        "Pattern",
+        lambda asked, other: re.fullmatch(asked, other) is not None,
+        "its id read as a regular expression, where '.' is any character",
+    ),
+    "id cut at its last '.'": (
+        "ParentSession",
+        lambda asked, other: asked.startswith(f"{other}."),
+        "a session and the one its id extends, <run>.<attempt>: the run's leftovers too",
+    ),
+}
+"""For each neighbour session of conformance/test_reap.py, a matcher that takes it for the
+reaped one (``asked``) and the story of a reap written that way."""
 
-    BREAKS = "SANDBOX-REAP-01"
 
-    def reap(self, session_id: str) -> list[str]:
-        sessions = _running_sessions() | {lease.session_id for lease in self.host.leases.leases()}
-        matching = sorted(session for session in sessions if session.startswith(session_id))
-        return sorted(sandbox for session in matching for sandbox in super().reap(session))
+def _reap_confusing(form: str) -> type[BrokenDriver]:
+    name, confuses, story = _CONFUSIONS[form]
+
+    class ReapConfuses(BrokenDriver):
+        __doc__ = f"SANDBOX-REAP-01: reaping session id takes session {form} too: {story}."
+        BREAKS = "SANDBOX-REAP-01"
+
+        def reap(self, session_id: str) -> list[str]:
+            leased = {lease.session_id for lease in self.host.leases.leases()}
+            sessions = _running_sessions() | leased
+            matching = {s for s in sessions if s == session_id or confuses(session_id, s)}
+            return sorted(
+                sandbox for session in sorted(matching) for sandbox in super().reap(session)
+            )
+
+    ReapConfuses.__name__ = ReapConfuses.__qualname__ = f"ReapTakes{name}"
+    return ReapConfuses
+
+
+REAP_CONFUSIONS = family(globals(), NEIGHBOUR_FORMS, _reap_confusing)
+"""One per neighbour session form: each reaps the sessions of that form beside the asked one."""
 
 
 class ReapTakesOtherClientsLeases(BrokenDriver):

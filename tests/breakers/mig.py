@@ -1,7 +1,8 @@
 """Planted breakers of MIG: MIG-EXACT-01, MIG-PROFILE-01, MIG-ISOLATION-01, MIG-EXCLUSIVE-01.
 
 MIG instances by ID and by profile, each exclusive and excluding its GPU whole. Their tests:
-conformance/test_mig.py.
+conformance/test_mig.py. MIG-EXCLUSIVE-01's holders (who holds an instance, who holds the GPU
+whole) each have their breaker, blind to that holder: a holder without one fails at import.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from conformance.holders import MIG_INSTANCE_HOLDERS, MIG_WHOLE_HOLDERS
 from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
@@ -22,7 +24,7 @@ from gpuhost.errors import GpusExhausted
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, Lease, LeaseOwner, _Held
 from gpuhost.spec import GpuPlan
-from tests.breakers.base import BrokenDriver, BrokenRegistry, with_binds
+from tests.breakers.base import BrokenDriver, BrokenRegistry, family, with_binds
 from tests.breakers.visibility import OmitsUvmNode
 
 
@@ -242,12 +244,14 @@ class GrantsGpuWithItsOwnInstance(BrokenDriver):
         return tuple(chosen.values())
 
 
-class _OwnWholeGpusOnlyRegistry(BrokenRegistry):
-    """Judges a request against other clients' leases on GPUs in MIG mode as if they were not.
+class _Unseeing(BrokenRegistry):
+    """Judges a request against the leases as ``seen`` shows them (None: not there at all).
 
-    "Only we take a GPU in MIG mode whole": its instances are refused while this driver holds
-    the GPU, and granted while another client (the sh client, another driver) does.
+    ``seen(lease, asking, in_mig_mode)``: ``asking`` is the driver asking, ``in_mig_mode``
+    the UUIDs of the host's GPUs in MIG mode.
     """
+
+    seen: Callable[[Lease, str, frozenset[str]], Lease | None]
 
     def __init__(self, directory: Path, in_mig_mode: frozenset[str]) -> None:
         super().__init__(directory)
@@ -276,19 +280,45 @@ class _OwnWholeGpusOnlyRegistry(BrokenRegistry):
                 yield held
                 return
             yield _Unseen(held.mine, held.others, lambda lease: (
-                lease.driver != asking and lease.gpu_uuid in self._in_mig_mode
+                type(self).seen(lease, asking, self._in_mig_mode)
             ))  # fmt: skip
+
+
+class _OwnWholeGpusOnlyRegistry(_Unseeing):
+    """Other clients' whole GPUs in MIG mode unseen: "only we take a GPU in MIG mode whole"."""
+
+    @staticmethod
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        return None if lease.driver != asking and lease.gpu_uuid in in_mig_mode else lease
+
+
+class _OthersWholeGpusOnlyRegistry(_Unseeing):
+    """Its own whole GPUs in MIG mode unseen: "what we take whole, our sandboxes track"."""
+
+    @staticmethod
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        return None if lease.driver == asking and lease.gpu_uuid in in_mig_mode else lease
+
+
+class _OwnInstancesOnlyRegistry(_Unseeing):
+    """Other clients' leases of MIG instances seen without their GPU: "only we split GPUs"."""
+
+    @staticmethod
+    def seen(lease: Lease, asking: str, in_mig_mode: frozenset[str]) -> Lease | None:
+        if lease.driver != asking and lease.parent_uuid is not None:
+            return dataclasses.replace(lease, parent_uuid=None)
+        return lease
 
 
 @dataclasses.dataclass
 class _Unseen(_Held):
-    """The leases under the lock, but those ``unseen`` picks are left out of ``all``."""
+    """The leases under the lock, ``all`` as ``seen`` shows them (None: left out)."""
 
-    unseen: Callable[[Lease], bool] = lambda lease: False
+    seen: Callable[[Lease], Lease | None] = lambda lease: lease
 
     @property
     def all(self) -> list[Lease]:
-        return [lease for lease in super().all if not self.unseen(lease)]
+        return [shown for lease in super().all if (shown := self.seen(lease)) is not None]
 
 
 class InstancesBlindToOtherClientsWholeGpus(BrokenDriver):
@@ -296,3 +326,37 @@ class InstancesBlindToOtherClientsWholeGpus(BrokenDriver):
 
     BREAKS = "MIG-EXCLUSIVE-01"
     LEASES = _OwnWholeGpusOnlyRegistry
+
+
+class InstancesBlindToItsOwnWholeGpus(BrokenDriver):
+    """MIG-EXCLUSIVE-01: an instance is refused while another client holds its GPU whole, only.
+
+    Who holds the GPU whole: the driver's sandbox.
+    """
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    LEASES = _OthersWholeGpusOnlyRegistry
+
+
+class WholeGpusBlindToOtherClientsInstances(BrokenDriver):
+    """MIG-EXCLUSIVE-01: a GPU is busy while its own driver holds one of its instances, only.
+
+    Another client's instance it sees busy, but not as its GPU's.
+
+    Who holds an instance: the sh client, with --parent.
+    """
+
+    BREAKS = "MIG-EXCLUSIVE-01"
+    LEASES = _OwnInstancesOnlyRegistry
+
+
+_BLIND_TO: dict[str, type[BrokenDriver]] = {
+    MIG_INSTANCE_HOLDERS[0]: MigIgnoresParent,
+    MIG_INSTANCE_HOLDERS[1]: WholeGpusBlindToOtherClientsInstances,
+    MIG_WHOLE_HOLDERS[0]: InstancesBlindToItsOwnWholeGpus,
+    MIG_WHOLE_HOLDERS[1]: InstancesBlindToOtherClientsWholeGpus,
+}
+HOLDERS_FAMILY = family(
+    globals(), (*MIG_INSTANCE_HOLDERS, *MIG_WHOLE_HOLDERS), _BLIND_TO.__getitem__
+)
+"""A breaker per holder of MIG-EXCLUSIVE-01, each blind to that holder alone."""

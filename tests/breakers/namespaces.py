@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from conformance.observe import COMMAND_PATHS
 from drivers.base import Command, Output
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
-from tests.breakers.base import BrokenDriver
+from tests.breakers.base import BrokenDriver, family
+from tests.breakers.execution import EnteredOnOnePath, way_name
 
 
 class SharesHostNetwork(BrokenDriver):
@@ -54,3 +56,23 @@ class PidNamespacePerCommand(BrokenDriver):
 
     BREAKS = "SANDBOX-NS-01"
     SANDBOX = _PidNamespacePerCommand
+
+
+def _host_network_on(way: str) -> type[BrokenDriver]:
+    class _Sandbox(EnteredOnOnePath):
+        BROKEN_ON = way
+        ENTER = tuple(arg for arg in EnteredOnOnePath.ENTER if arg != "--net")
+
+    class HostNetwork(BrokenDriver):
+        __doc__ = (
+            f"SANDBOX-NS-01: a command run through {way} is entered without the sandbox's "
+            "network namespace: it runs in the host's (to fetch what it streams)."
+        )
+        BREAKS = "SANDBOX-NS-01"
+        SANDBOX = _Sandbox
+
+    HostNetwork.__name__ = HostNetwork.__qualname__ = f"HostNetworkOn{way_name(way)}"
+    return HostNetwork
+
+
+HOST_NETWORK_ON = family(globals(), COMMAND_PATHS, _host_network_on)

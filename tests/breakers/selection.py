@@ -9,12 +9,13 @@ import dataclasses
 import itertools
 import os
 
+from conformance.forms import EXACT_FORMS, form_of
 from drivers.base import Launch, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, LeaseOwner
 from gpuhost.spec import GpuPlan, SandboxSpec, select
-from tests.breakers.base import BrokenDriver
+from tests.breakers.base import BrokenDriver, class_name, family
 
 
 class RoundRobin(BrokenDriver):
@@ -126,3 +127,25 @@ class CdiIndexFromOne(BrokenDriver):
         if gpu.is_mig or gpu.vendor != "nvidia":
             return super().device_ids(gpu)
         return (str(gpu.index), gpu.uuid, f"{gpu.cdi_kind}={gpu.index + 1}", gpu.cdi_names[1])
+
+
+def _misroutes(form: str) -> type[BrokenDriver]:
+    class Misroutes(BrokenDriver):
+        __doc__ = f"GPU-EXACT-01: a GPU named by its {form} gets the GPU after it."
+        BREAKS = "GPU-EXACT-01"
+
+        def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+            inventory = self.inventory()
+            gpus = super().resolve(plan)
+            return tuple(
+                inventory[(inventory.index(gpu) + 1) % len(inventory)]
+                if gpu in inventory and form_of(gpu, device_id) == form
+                else gpu
+                for device_id, gpu in zip(plan.device_ids, gpus, strict=True)
+            )
+
+    Misroutes.__name__ = Misroutes.__qualname__ = f"Misroutes{class_name(form)}"
+    return Misroutes
+
+
+family(globals(), [form for form in EXACT_FORMS if form != "PCI address"], _misroutes)

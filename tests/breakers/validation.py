@@ -1,7 +1,11 @@
 """Planted breakers of refusing bad requests: GPU-VALIDATE-01/02/03, GPU-EXHAUST-02.
 
 A bad request fails with a typed error naming the field and the value, taking nothing.
-Their tests: conformance/test_validation.py.
+Their tests: conformance/test_validation.py. Those generated (``family``) are one per value of
+the dimensions the tests try: whose block a request holds (GPU-VALIDATE-01), each near miss
+of an ID, each form whose prefix or letter case a driver could take, each letter case of a
+PCI address (GPU-VALIDATE-03, conformance/forms.py), each near miss of a MIG profile
+(MIG-PROFILE-01, which conformance/test_validation.py tries).
 """
 
 from __future__ import annotations
@@ -10,7 +14,21 @@ import contextlib
 import dataclasses
 import os
 import uuid
+from collections.abc import Callable
 
+from conformance.bad_requests import EVERY_OTHER, OTHER_BLOCKS
+from conformance.forms import (
+    CASE_FORMS,
+    PCI_CASES,
+    PREFIX_FORMS,
+    PROFILE_TRANSFORMS,
+    TRANSFORMS,
+    form_of,
+    is_pci_address,
+    pci_case,
+    profile_near_miss,
+    respellings,
+)
 from drivers.base import Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, GpusExhausted, InvalidDriverConfig, InvalidGpuCount
@@ -25,10 +43,15 @@ from gpuhost.spec import (
     DriverCapabilities,
     DriverRequest,
     GpuPlan,
+    GpuRequest,
     SandboxSpec,
     select,
 )
-from tests.breakers.base import BrokenDriver
+from tests.breakers.base import BrokenDriver, class_name, family
+
+Index = dict[str, tuple[GpuDevice, ...]]
+TakenFor = Callable[[str, Index], str | None]
+"""The ID a spelling the driver does not list is taken for, if any."""
 
 
 class LaxDriverConfig(BrokenDriver):
@@ -262,30 +285,6 @@ class UuidPrefixIds(BrokenDriver):
         return super().resolve(dataclasses.replace(plan, device_ids=tuple(ids)))
 
 
-class CaseInsensitiveIds(UuidPrefixIds):
-    """GPU-VALIDATE-03: IDs match in any letter case ("GPU-ABC…" is "gpu-abc…"): a folded lookup."""
-
-    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
-        return next((k for k in known if k.lower() == device_id.lower()), device_id)
-
-
-class UniquePrefixIds(UuidPrefixIds):
-    """GPU-VALIDATE-03: any ID may be shortened to a prefix only it has, as git takes a commit's."""
-
-    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
-        matches = [k for k in known if k.startswith(device_id)]
-        return matches[0] if len(matches) == 1 else device_id
-
-
-class DevicePathIds(UuidPrefixIds):
-    """GPU-VALIDATE-03: a device node's path names a GPU: /dev/nvidia3 is the GPU of minor 3."""
-
-    def respelled(self, device_id: str, known: dict[str, tuple[GpuDevice, ...]]) -> str:
-        minor = device_id.removeprefix("/dev/nvidia")
-        gpu = next((g for g in self.inventory() if str(g.minor) == minor), None)
-        return self.device_ids(gpu)[0] if gpu is not None else device_id
-
-
 class ClampsOversizedCount(BrokenDriver):
     """GPU-EXHAUST-02: a count above the number of GPUs is clamped to all of them, not refused."""
 
@@ -300,3 +299,162 @@ class ClampsOversizedCount(BrokenDriver):
         if plan is not None and plan.count > len(self.inventory()):
             return dataclasses.replace(plan, count=len(self.inventory()))
         return plan
+
+
+# -- generated: one breaker per value of a dimension the tests try ---------------------------
+
+
+def _sizes_the_default_from(whose: str) -> type[BrokenDriver]:
+    class SizesTheDefault(BrokenDriver):
+        __doc__ = (
+            f"GPU-VALIDATE-01: a request with no count and no block of its own is sized by the "
+            f"device IDs in {whose}'s block."
+        )
+        BREAKS = "GPU-VALIDATE-01"
+
+        def create(self, spec: SandboxSpec) -> Sandbox:
+            ids = spec.driver_config.get(whose, {}).get(DEVICE_IDS_KEY)
+            gpu = spec.gpu
+            unsized = gpu is not None and gpu.count is None
+            if unsized and self.name not in spec.driver_config and isinstance(ids, tuple | list):
+                assert gpu is not None
+                spec = dataclasses.replace(spec, gpu=GpuRequest(len(ids), gpu.sharing))
+            return super().create(spec)
+
+    SizesTheDefault.__name__ = SizesTheDefault.__qualname__ = (
+        f"SizesTheDefaultFromBlockOf{class_name(whose)}"
+    )
+    return SizesTheDefault
+
+
+family(
+    globals(),
+    [b for b in OTHER_BLOCKS if b not in ("reference", EVERY_OTHER)],
+    _sizes_the_default_from,
+)
+
+
+class TakesTheOnlyBlock(BrokenDriver):
+    """GPU-VALIDATE-01: a request whose one block is another driver's takes it as its own."""
+
+    BREAKS = "GPU-VALIDATE-01"
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        if len(spec.driver_config) == 1 and self.name not in spec.driver_config:
+            only = next(iter(spec.driver_config.values()))
+            spec = dataclasses.replace(spec, driver_config={self.name: only})
+        return super().create(spec)
+
+
+def _respelling(breaks: str, doc: str, name: str, taken_for: TakenFor) -> type[BrokenDriver]:
+    """A breaker that resolves an ID it does not list to the one ``taken_for`` takes it for."""
+
+    class Respelling(BrokenDriver):
+        __doc__ = f"{breaks}: {doc}"
+        BREAKS = breaks
+
+        def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+            index = self.device_index()
+            ids = tuple(i if i in index else (taken_for(i, index) or i) for i in plan.device_ids)
+            return super().resolve(dataclasses.replace(plan, device_ids=ids))
+
+    Respelling.__name__ = Respelling.__qualname__ = name
+    return Respelling
+
+
+def _takes(transform: str) -> type[BrokenDriver]:
+    def taken_for(device_id: str, index: Index) -> str | None:
+        spelled = respellings(index, lambda known: index[known][0], TRANSFORMS[transform])
+        return spelled.get(device_id)
+
+    name = class_name(transform.replace(":", " ").replace("/", " ").replace("'s", ""))
+    return _respelling(
+        "GPU-VALIDATE-03",
+        f"takes a spelling of an ID ({transform}) for the ID itself.",
+        f"Takes{name}",
+        taken_for,
+    )
+
+
+def _takes_a_unique_prefix_of(form: str) -> type[BrokenDriver]:
+    def taken_for(device_id: str, index: Index) -> str | None:
+        found = [k for k in index if k.startswith(device_id) and form_of(index[k][0], k) == form]
+        return found[0] if len(found) == 1 and device_id else None
+
+    return _respelling(
+        "GPU-VALIDATE-03",
+        f"takes a prefix only one {form} has for that {form}, as CUDA_VISIBLE_DEVICES does.",
+        f"TakesAUniquePrefixOf{class_name(form)}",
+        taken_for,
+    )
+
+
+def _folds_the_case_of(form: str) -> type[BrokenDriver]:
+    def taken_for(device_id: str, index: Index) -> str | None:
+        folded = device_id.lower()
+        found = [k for k in index if k.lower() == folded and form_of(index[k][0], k) == form]
+        return found[0] if found else None
+
+    return _respelling(
+        "GPU-VALIDATE-03",
+        f"matches a {form} in any letter case.",
+        f"FoldsTheCaseOf{class_name(form)}",
+        taken_for,
+    )
+
+
+family(globals(), TRANSFORMS, _takes)
+family(globals(), PREFIX_FORMS, _takes_a_unique_prefix_of)
+family(globals(), [form for form in CASE_FORMS if form != "DRI node"], _folds_the_case_of)
+
+
+def _refuses_a_pci_address_in(case: str) -> type[BrokenDriver]:
+    class RefusesAPciAddress(BrokenDriver):
+        __doc__ = f"GPU-VALIDATE-03: a PCI address it lists is an ID only as listed: not in {case}."
+        BREAKS = "GPU-VALIDATE-03"
+
+        def device_index(self) -> Index:
+            return {
+                device_id: gpus
+                for device_id, gpus in super().device_index().items()
+                if not is_pci_address(device_id)
+                or device_id.lower() == device_id.upper()
+                or device_id != pci_case(device_id, case)
+            }
+
+    RefusesAPciAddress.__name__ = RefusesAPciAddress.__qualname__ = (
+        f"RefusesAPciAddressIn{class_name(case)}"
+    )
+    return RefusesAPciAddress
+
+
+family(globals(), PCI_CASES, _refuses_a_pci_address_in)
+
+
+def _takes_a_profile_as(transform: str) -> type[BrokenDriver]:
+    class TakesAProfile(BrokenDriver):
+        __doc__ = (
+            f"MIG-PROFILE-01: a MIG profile the host lacks is served as the host's profile it "
+            f"is {transform} of."
+        )
+        BREAKS = "MIG-PROFILE-01"
+
+        def plan(self, request: DriverRequest) -> GpuPlan | None:
+            asked = request.config.get(MIG_PROFILE_KEY)
+            have = sorted({mig.profile for mig in self.host.mig_devices})
+            if isinstance(asked, str) and asked not in have:
+                mine = next(
+                    (p for p in have if profile_near_miss(p, have, transform) == asked), None
+                )
+                if mine is not None:
+                    config = {**request.config, MIG_PROFILE_KEY: mine}
+                    request = dataclasses.replace(request, config=config)
+            return super().plan(request)
+
+    TakesAProfile.__name__ = TakesAProfile.__qualname__ = "TakesAProfileThatIs" + class_name(
+        transform.replace("'s", "")
+    )
+    return TakesAProfile
+
+
+family(globals(), PROFILE_TRANSFORMS, _takes_a_profile_as)

@@ -11,12 +11,23 @@ import dataclasses
 import os
 import stat
 from collections.abc import Sequence
+from typing import ClassVar
 
-from drivers.base import Launch
+from conformance.observe import COMMAND_PATHS
+from conformance.test_visibility import GPU_NODE_PLACES
+from drivers.base import Launch, Sandbox
 from drivers.reference import ReferenceSandbox
-from gpuhost.devices import SIMULATED_DRM_MAJOR, GpuDevice
-from gpuhost.spec import DriverRequest, GpuPlan, GpuRequest
-from tests.breakers.base import BrokenDriver, with_binds
+from gpuhost.devices import SIMULATED_DRM_MAJOR, DeviceNode, GpuDevice
+from gpuhost.spec import (
+    CHOICE_KEYS,
+    DEVICE_IDS_KEY,
+    DriverRequest,
+    GpuPlan,
+    GpuRequest,
+    SandboxSpec,
+)
+from tests.breakers.base import BrokenDriver, class_name, family, with_binds
+from tests.breakers.execution import EnteredOnOnePath, way_name
 
 
 class GpuWithoutRequest(BrokenDriver):
@@ -28,16 +39,32 @@ class GpuWithoutRequest(BrokenDriver):
         return super().plan(request) or GpuPlan(count=1)
 
 
-class ChoiceKeyImpliesRequest(BrokenDriver):
-    """GPU-NONE-01: a vendor or mig_profile in its block, with no GPU request, still gets a GPU."""
+def _implies_a_request(key: str) -> type[BrokenDriver]:
+    class ImpliesARequest(BrokenDriver):
+        __doc__ = f"GPU-NONE-01: a {key} in its block, with no GPU request, still gets a GPU."
+        BREAKS = "GPU-NONE-01"
+
+        def plan(self, request: DriverRequest) -> GpuPlan | None:
+            if request.gpu is None and key in request.config:
+                request = dataclasses.replace(request, gpu=GpuRequest())
+            return super().plan(request)
+
+    ImpliesARequest.__name__ = ImpliesARequest.__qualname__ = f"{class_name(key)}ImpliesARequest"
+    return ImpliesARequest
+
+
+family(globals(), CHOICE_KEYS, _implies_a_request)
+
+
+class OtherBlocksImplyARequest(BrokenDriver):
+    """GPU-NONE-01: device IDs in other drivers' blocks, with no GPU request, still get a GPU."""
 
     BREAKS = "GPU-NONE-01"
 
-    def plan(self, request: DriverRequest) -> GpuPlan | None:
-        block = request.config
-        if request.gpu is None and ("mig_profile" in block or "vendor" in block):
-            request = dataclasses.replace(request, gpu=GpuRequest())
-        return super().plan(request)
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        if spec.gpu is None and any(DEVICE_IDS_KEY in b for b in spec.driver_config.values()):
+            spec = dataclasses.replace(spec, gpu=GpuRequest())
+        return super().create(spec)
 
 
 class AllGpusOnDefault(BrokenDriver):
@@ -163,3 +190,71 @@ class OmitsCtlNode(OmitsUvmNode):
     """GPU-ISOLATION-01: binds the GPUs' nodes and nvidia-uvm, not nvidiactl: none of them opens."""
 
     LEFT_OUT = "/dev/nvidiactl"
+
+
+def _another_gpu_under(place: str) -> type[BrokenDriver]:
+    class AnotherGpuUnder(BrokenDriver):
+        __doc__ = (
+            f"GPU-ISOLATION-01: a GPU sandbox holds another GPU's node too, as {place}/<its "
+            "name> (the GPU operator keeps the driver's under /run/nvidia/driver/dev)."
+        )
+        BREAKS = "GPU-ISOLATION-01"
+
+        def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
+            argv = super().bwrap_argv(sandbox_id, gpus)
+            other = next((gpu for gpu in self.inventory() if gpu not in gpus), None)
+            if not gpus or other is None:
+                return argv
+            node = other.nodes[0]
+            inside = f"{place}/{os.path.basename(node.path)}"
+            return with_binds(argv, "--dev-bind", node.source, inside)
+
+    AnotherGpuUnder.__name__ = AnotherGpuUnder.__qualname__ = (
+        f"AnotherGpuUnder{class_name(place.replace('/', ' '))}"
+    )
+    return AnotherGpuUnder
+
+
+ANOTHER_GPU_UNDER = family(globals(), GPU_NODE_PLACES, _another_gpu_under)
+
+_OPERATOR_DIR = "/run/nvidia/driver/dev"
+_MAKE_NODES = (
+    f"mkdir -p {_OPERATOR_DIR} && mount -t tmpfs -o mode=0755 gpu {_OPERATOR_DIR} && "
+    'while [ "$1" != -- ]; do mknod -m 0666 "{_OPERATOR_DIR}/$1" c "$2" "$3"; shift 3; done; '
+    'shift; exec "$@"'
+).replace("{_OPERATOR_DIR}", _OPERATOR_DIR)
+
+
+def _operator_dir_on(way: str) -> type[BrokenDriver]:
+    class _Sandbox(EnteredOnOnePath):
+        BROKEN_ON = way
+        every_node: ClassVar[tuple[DeviceNode, ...]] = ()
+
+        def before_setpriv(self) -> list[str]:
+            nodes = [
+                str(part)
+                for node in self.every_node
+                for part in (os.path.basename(node.path), node.major, node.minor)
+            ]
+            private = ["unshare", "--mount", "--propagation=private"]
+            return [*private, "sh", "-c", _MAKE_NODES, "sh", *nodes, "--"]
+
+    class OperatorDir(BrokenDriver):
+        __doc__ = (
+            f"GPU-ISOLATION-01: a command run through {way} gets {_OPERATOR_DIR} with every "
+            "GPU's node in it, as the GPU operator keeps them, for nvidia-smi."
+        )
+        BREAKS = "GPU-ISOLATION-01"
+        SANDBOX = _Sandbox
+
+        def start(self, launch: Launch) -> ReferenceSandbox:
+            sandbox = super().start(launch)
+            nodes = tuple(node for gpu in self.host.gpus for node in gpu.nodes)
+            sandbox.every_node = nodes  # type: ignore[attr-defined]
+            return sandbox
+
+    OperatorDir.__name__ = OperatorDir.__qualname__ = f"GpuOperatorDirOn{way_name(way)}"
+    return OperatorDir
+
+
+OPERATOR_DIR_ON = family(globals(), COMMAND_PATHS, _operator_dir_on)

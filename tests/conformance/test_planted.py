@@ -6,12 +6,15 @@ import inspect
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conformance import requirements
+from conformance.test_hostwide import HOSTS as HOSTWIDE_HOSTS
+from gpuhost import simulated
 from gpuhost.procfs import marked_processes
-from tests.breakers import ALL, containers, pods, vms
+from tests.breakers import ALL, containers, hostwide, pods, vms
 from tests.breakers.base import BrokenDriver
 from tests.breakers.exhaustion import WaitsForAFreeGpu
 from tests.breakers.lifecycle import ReapDoesNothing
@@ -91,22 +94,77 @@ def test_catalogue_passes_the_reference_driver(
     assert run.ret == pytest.ExitCode.OK
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
 def _cmdlines(pids: list[int]) -> list[str]:
     return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in pids]
 
 
+SMALL_HOST_STRICT = ("GPU-HOSTWIDE-01",)
+"""Requirements whose every case runs on the smallest host it can, or is dropped by name
+(``fixtures.dropped``): on one GPU they are passed or partial, never skipped, and a
+partial one names what it dropped."""
+
+
+def _assert_dropped_by_name(result: dict[str, Any], requirement: str) -> str:
+    """``requirement``'s verdict for the reference: passed, or partial naming its cases."""
+    __tracebackhide__ = True
+    verdict = result["matrix"][requirement]["reference"]
+    tests = [test for test in result["tests"] if test["requirement"] == requirement]
+    assert tests, f"no test of {requirement} ran"
+    assert all(test["outcome"] == "passed" for test in tests), (requirement, tests)
+    if verdict == "partial":
+        assert any(test.get("dropped") for test in tests), (requirement, tests)
+    else:
+        assert verdict == "passed", (requirement, verdict, tests)
+    return str(verdict)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
 def test_reference_driver_fails_nothing_on_small_hosts(
     pytester: pytest.Pytester, tmp_path: Path, gpus: int
 ) -> None:
-    """On 1 or 2 GPUs what needs more is skipped with the reason; nothing fails."""
+    """On 1 or 2 GPUs what needs more is skipped with the reason, or dropped; nothing fails."""
     result, run = run_catalogue(pytester, tmp_path, "reference", gpus, full=False)
     verdicts = {req: result["matrix"][req]["reference"] for req in golden_ids()}
     assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, verdicts
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]
     reasons = ("needs", "does not apply", "not applicable")
     assert all(any(reason in message for reason in reasons) for message in skips), skips
+    for requirement in SMALL_HOST_STRICT:
+        _assert_dropped_by_name(result, requirement)
+    # GPU-HOSTWIDE-01: on one GPU each holder holds it, and only the cases beside free GPUs
+    # are left out, by name; on two it is whole.
+    assert verdicts["GPU-HOSTWIDE-01"] == ("partial" if gpus == 1 else "passed"), verdicts
+    dropped = {
+        test["dropped"] for test in result["tests"] if test["requirement"] == "GPU-HOSTWIDE-01"
+    }
+    expected = f"{HOSTWIDE_HOSTS[1]} (needs 2 GPUs; the host has 1)"
+    assert dropped == ({expected, ""} if gpus == 1 else {""}), dropped
     run.stdout.fnmatch_lines(["reference: PASS (*mandatory passed*; 0 optional failed)"])
+    assert run.ret == pytest.ExitCode.OK
+
+
+MIG_AND_DRI = (
+    "MIG-EXACT-01", "MIG-PROFILE-01", "MIG-ISOLATION-01", "MIG-EXCLUSIVE-01",
+    "DRI-ISOLATION-01", "DRI-PAIRING-01", "DRI-EXCLUSIVE-01",
+)  # fmt: skip
+
+
+def test_reference_driver_on_the_smallest_mig_and_dri_host_drops_cases_by_name(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """One GPU, in MIG mode with one instance, and one AMD GPU: nothing skipped, nothing hidden.
+
+    What needs more (two instances, two GPUs in MIG mode, two GPUs of a vendor, a GPU of
+    another kind beside) is dropped by name: the cell is partial, never passed.
+    """
+    host = simulated.setup(
+        tmp_path / "sim", 1,
+        mig=simulated.parse_mig_layout("0:1x7g.80gb"), dri=simulated.parse_dri_layout("amd:1"),
+    )  # fmt: skip
+    asked = f"--requirement={','.join(MIG_AND_DRI)}"
+    result, run = run_catalogue(pytester, tmp_path, "reference", 1, asked, sim_root=host.root)
+    verdicts = {req: _assert_dropped_by_name(result, req) for req in MIG_AND_DRI}
+    assert verdicts == {**dict.fromkeys(MIG_AND_DRI, "partial"), "DRI-PAIRING-01": "passed"}
     assert run.ret == pytest.ExitCode.OK
 
 
@@ -153,6 +211,27 @@ def test_on_one_gpu_a_driver_that_leaves_out_a_cuda_node_fails_isolation(
 ) -> None:
     """Without the workload lane: most CI runners have one GPU."""
     assert_fails_its_requirement(pytester, tmp_path, broken, 1)
+
+
+HOLDERS_BREAKERS = (*hostwide.BLIND, *hostwide.MISJUDGING, *hostwide.LOCK_TAKING)
+"""A breaker per holder of GPU-HOSTWIDE-01 (ReclaimsNonProcessHolders and
+ReclaimsOtherSessions among them): each passed the whole catalogue on one GPU before the
+holders held that GPU in turn."""
+
+
+@pytest.mark.parametrize("broken", HOLDERS_BREAKERS, ids=lambda cls: cls.__name__)
+def test_on_one_gpu_a_driver_blind_to_a_holder_fails_hostwide(
+    pytester: pytest.Pytester, tmp_path: Path, broken: type[BrokenDriver]
+) -> None:
+    """On one GPU each holder holds that GPU: the breaker of each fails GPU-HOSTWIDE-01.
+
+    The registry lock's test waits out the reference's 30 s for the lock; it can only add a
+    failure, so it runs for the breaker of the lock alone.
+    """
+    lock = broken in hostwide.LOCK_TAKING
+    assert_fails_its_requirement(
+        pytester, tmp_path, broken, 1, *([] if lock else ["-k", "not registry_lock"])
+    )
 
 
 def test_a_driver_that_never_refuses_fails_by_name_without_waiting_out_the_test_bound(

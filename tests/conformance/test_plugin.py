@@ -248,7 +248,8 @@ def test_a_hanging_driver_fails_its_requirement_by_name_and_the_report_is_writte
     matrix = json.loads(report.read_text())["matrix"]
     name = "tests.fake_drivers:HangsInExec"
     assert matrix["GPU-NONE-01"][name] == "failed"  # it hung in nvidia-smi, and was stopped
-    assert matrix["GPU-EXHAUST-02"][name] == "passed"  # and the run went on
+    # And the run went on (partial: a host without MIG or other vendors has no pool to ask).
+    assert matrix["GPU-EXHAUST-02"][name] in ("passed", "partial")
     result.stdout.fnmatch_lines([f"{name}: FAIL — GPU-NONE-01 failed: *Timeout*"])
 
 

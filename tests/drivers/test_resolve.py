@@ -44,3 +44,23 @@ def test_an_id_of_a_gpu_in_mig_mode_says_why_it_is_unknown(tmp_path: Path) -> No
         assert "MIG mode" not in _refusal(reference, "7")
     finally:
         simulated.teardown(host.root)
+
+
+def test_a_pci_address_names_its_gpu_in_either_letter_case_and_nothing_else_does(
+    tmp_path: Path,
+) -> None:
+    """GPU-VALIDATE-03: as the kernel writes it and as NVML does; no other spelling."""
+    host = simulated.setup(tmp_path / "sim", 2, dri=simulated.parse_dri_layout("amd:2"))
+    try:
+        driver = ReferenceDriver(GpuHost.open(HostConfig(sim_root=host.root)), "resolve")
+        amd = driver.host.dri_gpus[-1]
+        assert amd.pci_bus_id == "0000:c3:00.0"
+        for spelled in ("0000:c3:00.0", "0000:C3:00.0"):
+            spec = SandboxSpec.with_gpus(driver=driver.name, device_ids=[spelled])
+            plan = driver.plan(select(spec, driver.name))
+            assert plan is not None, spelled
+            assert plan.gpus == (amd,), spelled
+        for near in ("0000:C3:00.0 ", "0000:c3:00.0\n", "0000:C3:00", "PCI-0000:C3:00.0"):
+            assert repr(near) in _refusal(driver, near)
+    finally:
+        simulated.teardown(host.root)
