@@ -63,7 +63,7 @@ CATALOGUE = (
     "-x", "-n", "2", "-p", "no:cacheprovider", "-q",
 )  # fmt: skip
 SEED = 42
-PER_MODULE = 10
+PER_MODULE = 3
 """Sized so that ``make mutate`` ends within 40 minutes on 2 cores (docs/catalogue.md)."""
 BUDGET_S = 40 * 60.0
 """No mutant is started once the run is this old, less one unmutated run's time."""
