@@ -261,7 +261,8 @@ def mutate(args: argparse.Namespace) -> int:
               f"{old.before!r} -> {old.after!r}")  # fmt: skip
     total = sum(len(e.mutants) for e in enumerations.values())
     annotations = sum(e.annotations for e in enumerations.values())
-    print(f"seed {args.seed}, {args.per_module} a module: {len(planned)} mutants of {total} "
+    drawn = "named" if args.only else f"seed {args.seed}, {args.per_module} a module:"
+    print(f"{drawn} {len(planned)} mutants of {total} "
           f"({annotations} more in annotations, not run)")  # fmt: skip
     if args.list:
         for made in planned:
