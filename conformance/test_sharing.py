@@ -32,6 +32,7 @@ from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
 from gpuhost.spec import SHARED, SandboxSpec
 
 SHARING_FIELD = "resource_requirements.gpu.sharing"
+STRICTER_JOINS = "a process under a limit of 2 asking to join a GPU shared by more"
 THIS_PROCESS, ANOTHER_PROCESS, ANOTHER_CLIENT = (
     "a sandbox of this process",
     "a sandbox of another process",
@@ -45,6 +46,7 @@ DIMENSIONS = {
         exclusive_holder=EXCLUSIVE_HOLDERS,
         request=("shared by default", "shared by every exact ID of the GPU"),
         sharers_made_by=("this process", "another process", "another process, a stricter limit"),
+        stricter_limit=(STRICTER_JOINS,),
     ),
     "GPU-SHARED-02": declared(
         how_the_last_sharer_ends=(CLOSE, *ENDINGS),
@@ -66,7 +68,7 @@ def _exclusive(driver: Driver, device_id: str) -> SandboxSpec:
 
 @pytest.mark.requirement("GPU-SHARED-01")
 def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped
 ) -> None:
     """Shared sandboxes MUST share a GPU up to the limit, never with exclusive ones, or fail."""
     if not driver.capabilities.shared:
@@ -116,8 +118,27 @@ def test_shared_requests_share_up_to_the_limit_and_never_with_exclusive_ones(
             f"{gpu} has {limit} sharers, the limit; another process got {reply}"
         )
         _a_stricter_limit_binds_every_sharer(driver, sandboxes, settings, exclusive, beyond)
+        _a_stricter_limit_cannot_join_past_it(driver, settings, dropped, gpu_ids[0], limit)
     finally:
         close_all([joining, crowding])
+
+
+def _a_stricter_limit_cannot_join_past_it(
+    driver: Driver, settings: Settings, dropped: Dropped, device_id: str, sharers: int
+) -> None:
+    """A request of another process under a limit of 2 may not join a GPU shared by more."""
+    if sharers <= 2:
+        dropped(STRICTER_JOINS, f"the share limit is {sharers}: no GPU is shared by more than 2")
+        return
+    stricter = dataclasses.replace(settings.host_config, share_limit=2)
+    with HeldSandbox.start(
+        driver, dataclasses.replace(settings, host_config=stricter), _shared(driver, device_id)
+    ) as other:
+        reply = other.go()
+        assert reply == {"ok": False, "error": "GpuBusy", "message": reply.get("message")}, (
+            f"{sharers} sandboxes share the GPU {device_id!r} names, past a limit of 2; "
+            f"a process whose limit is 2 joined it: {reply}"
+        )
 
 
 def _a_stricter_limit_binds_every_sharer(

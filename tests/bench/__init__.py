@@ -1,0 +1,1 @@
+"""The benchmarks' and ``make mutate``'s own tests."""
