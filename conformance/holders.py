@@ -14,12 +14,14 @@ holder as another user.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -272,31 +274,54 @@ def _state(pid: int) -> str:
     return raw[raw.rindex(")") + 2 :].split()[0]
 
 
+ZOMBIE_NAMES = ("z", "zz", "zzz", "zzzz", "z) z")
+"""The zombies' command names: /proc/<pid>/stat writes the name between "(" and ")", so a
+reader must cut at the last ")", wherever it falls; names of four lengths put it at four
+offsets in a row, and one holds ") " itself."""
+
+
 @contextmanager
 def _zombie(place: Place, gpus: list[GpuDevice]) -> Iterator[list[GpuDevice]]:
-    """The sh client's holder, killed: its parent (a ``sleep``) never reaps it, so it stays."""
-    host, sandbox_id = place.settings.host, _lease_id("zombie")
-    parent = subprocess.Popen(
-        ["sh", "-c", 'sh "$0" "$@" & echo $!; exec sleep 3600', str(LEASE_CLIENT),
-         "--dir", str(host.leases.directory), "hold", "--driver", "gpu-lease", "--session",
-         place.driver.session_id, "--sandbox", sandbox_id, *(gpu.uuid for gpu in gpus),
-         "--", "sleep", "3600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    """The sh client's holders, killed: their parent (a ``sleep``) never reaps them.
+
+    One per name of ``ZOMBIE_NAMES`` while GPUs last, each holding its share of ``gpus``;
+    each runs the client through a link of that name to ``sh``, which becomes its name.
+    """
+    host = place.settings.host
+    names = Path(tempfile.mkdtemp(prefix="gpu-sandbox-zombies-"))
+    shares = [gpus[i :: len(ZOMBIE_NAMES)] for i in range(len(ZOMBIE_NAMES))]
+    held: list[tuple[str, subprocess.Popen[str]]] = []
     try:
-        assert parent.stdout is not None
-        holder = int(parent.stdout.readline())
-        _wait_held(place, gpus, parent)
-        os.kill(holder, signal.SIGKILL)
-        wait_for(
-            lambda: _state(holder), lambda state: state == "Z", timeout_s=HOLD_TIMEOUT_S,
-            what=f"the sh client's holder {holder}, killed, to be a zombie",
-        )  # fmt: skip
+        for name, share in zip(ZOMBIE_NAMES, shares, strict=True):
+            if not share:
+                continue
+            link = names / name
+            link.symlink_to(shutil.which("sh") or "/bin/sh")
+            sandbox_id = _lease_id("zombie")
+            parent = subprocess.Popen(
+                ["sh", "-c", '"$0" "$@" & echo $!; exec sleep 3600', str(link), str(LEASE_CLIENT),
+                 "--dir", str(host.leases.directory), "hold", "--driver", "gpu-lease",
+                 "--session", place.driver.session_id, "--sandbox", sandbox_id,
+                 *(gpu.uuid for gpu in share), "--", "sleep", "3600"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            held.append((sandbox_id, parent))
+            assert parent.stdout is not None
+            holder = int(parent.stdout.readline())
+            _wait_held(place, share, parent)
+            os.kill(holder, signal.SIGKILL)
+            wait_for(
+                functools.partial(_state, holder), lambda state: state == "Z",
+                timeout_s=HOLD_TIMEOUT_S,
+                what=f"the sh client's holder {holder} ({name!r}), killed, to be a zombie",
+            )  # fmt: skip
         yield gpus
     finally:
-        parent.kill()  # its zombie child goes to init, which reaps it
-        parent.wait()
-        host.leases.release(sandbox_id)
+        for sandbox_id, parent in held:
+            parent.kill()  # its zombie child goes to init, which reaps it
+            parent.wait()
+            host.leases.release(sandbox_id)
+        shutil.rmtree(names, ignore_errors=True)
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,8 +41,8 @@ from conformance.observe import create_side_by_side, uuids, visible_gpu_uuids
 from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.errors import GpuAllocationError, GpuBusy, GpusExhausted
-from gpuhost.leases import PROCESS, Holder
+from gpuhost.errors import DriverError, GpuAllocationError, GpuBusy, GpusExhausted
+from gpuhost.leases import PROCESS, Holder, boot_id
 from gpuhost.spec import SandboxSpec
 
 REQUESTS = ("default", "a count", "exact", "exact beside a free GPU")
@@ -50,7 +51,12 @@ GONE_REQUESTS = ("default", "a count of every GPU", "exact")
 """What is asked while every GPU is leased to a holder that is gone: each is granted."""
 HOSTS = ("one GPU: held, then asked for", "free GPUs beside held ones")
 """What of the host the holders' test tries: a one-GPU host shows the first only."""
-LEASE_FILES = ("version 4, every client's", "version 1, an older client's (no boot_id)")
+CUT_SHORT = (
+    "cut short, last written before this boot: holds nothing",
+    "cut short, written in this boot: stops every grant, naming the file",
+)
+"""A lease file a writer left half written (a power loss, a kill in the middle of a write)."""
+LEASE_FILES = ("version 4, every client's", "version 1, an older client's (no boot_id)", *CUT_SHORT)
 LOCK_WAIT_BOUND_S = 60.0
 """The longest a client may wait for the registry's lock before it gives up
 (docs/lease-protocol.md): the create that waits for it is bounded by its pace and this."""
@@ -256,6 +262,54 @@ def test_a_lease_file_of_an_older_client_holds_its_gpus(
         _refused(sandboxes, SandboxSpec.with_gpus(), GpusExhausted, v1)
     finally:
         driver.host.leases.release(sandbox_id)
+
+
+@pytest.mark.gpus(1)
+@pytest.mark.requirement("GPU-HOSTWIDE-01")
+@pytest.mark.parametrize("when", CUT_SHORT)
+def test_a_lease_file_cut_short_is_judged_by_when_it_was_written(
+    driver: Driver, sandboxes: SandboxFactory, when: str
+) -> None:
+    """A lease file cut short MUST hold nothing if written before this boot, else stop grants."""
+    if driver.host.simulated is None:
+        pytest.skip("needs a simulated host: it writes the lease registry's file itself")
+    inventory = list(driver.inventory())
+    holder = {"kind": PROCESS, "ref": Holder.process(os.getpid()).ref}
+    document = json.dumps({
+        "version": 4, "boot_id": boot_id(), "leases": [
+            {"gpu_uuid": gpu.uuid, "driver": "a-writer-cut-short", "sandbox_id": "cut",
+             "session_id": "", "holder": holder, "mode": "exclusive", "acquired_at": 0.0}
+            for gpu in inventory
+        ],
+    }).encode()  # fmt: skip
+    path = driver.host.leases.path
+    driver.host.leases.leases()  # makes this user's file, with the protocol's mode
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if (text := os.read(fd, 1 << 20).strip()) and json.loads(text).get("leases"):
+            pytest.skip("the registry holds leases already")
+        os.ftruncate(fd, os.pwrite(fd, document[: len(document) // 2], 0))
+        if when == CUT_SHORT[0]:
+            # An hour before this boot, told by /proc/uptime, not by the driver's host layer.
+            earlier = time.time() - float(Path("/proc/uptime").read_text().split()[0]) - 3600
+            os.utime(fd, (earlier, earlier))
+    finally:
+        os.close(fd)
+    try:
+        if when == CUT_SHORT[0]:
+            for request in GONE_REQUESTS:
+                try:
+                    _granted(request, driver, sandboxes, inventory)
+                except GpuAllocationError as exc:
+                    pytest.fail(f"{path}, {when}; a request ({request}) was refused: {exc}")
+                _close(sandboxes)
+        else:
+            # Granted, it fails as DID NOT RAISE; refused without naming the file, unmatched.
+            with pytest.raises((RuntimeError, DriverError), match=re.escape(str(path))):
+                sandboxes(SandboxSpec.with_gpus())
+    finally:
+        os.truncate(path, 0)  # an empty file holds nothing
 
 
 @contextmanager

@@ -37,7 +37,7 @@ from conformance.holders import (
 from drivers import REGISTRY
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
-from gpuhost.leasefile import parse
+from gpuhost.leasefile import InvalidLeaseFile, corrupt, parse
 from gpuhost.leases import PROCESS, Holder, Lease, LeaseOwner, boot_id, liveness_check
 from tests.breakers.base import BrokenDriver, BrokenRegistry, family
 
@@ -56,6 +56,42 @@ class V1FileAsEarlierBoot(BrokenDriver):
 
     BREAKS = "GPU-HOSTWIDE-01"
     LEASES = _NoBootIdMeansEarlierBoot
+
+
+class _CutShortHoldsNothing(BrokenRegistry):
+    """Reads a lease file it cannot parse as empty, whenever it was written."""
+
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        try:
+            parse(data) if data else None
+        except InvalidLeaseFile:
+            return []  # "a half-written file holds nothing"
+        return super()._read(path, data, mtime)
+
+
+class CutShortFileHoldsNothing(BrokenDriver):
+    """GPU-HOSTWIDE-01: a lease file cut short in this boot holds nothing; its GPUs are granted."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+    LEASES = _CutShortHoldsNothing
+
+
+class _CutShortAlwaysCorrupt(BrokenRegistry):
+    """Refuses every grant over a lease file it cannot parse, of an earlier boot too."""
+
+    def _read(self, path: Path, data: bytes, mtime: float) -> list[Lease]:
+        try:
+            parse(data) if data else None
+        except InvalidLeaseFile as exc:
+            raise corrupt(path, exc) from None
+        return super()._read(path, data, mtime)
+
+
+class CutShortBeforeBootBlocks(BrokenDriver):
+    """GPU-HOSTWIDE-01: a lease file cut short before this boot (a power loss) stops every grant."""
+
+    BREAKS = "GPU-HOSTWIDE-01"
+    LEASES = _CutShortAlwaysCorrupt
 
 
 class _RegistryOfItsOwn(BrokenRegistry):
