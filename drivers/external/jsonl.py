@@ -23,6 +23,7 @@ from drivers.external.connection import CANCEL_GRACE_S, Connection, DriverProces
 from drivers.external.driver import ExternalDriver, ExternalDriverError, OperationTimedOut
 from drivers.external.protocol import PROTOCOL_VERSION, ProtocolError, exec_error, request_error
 from drivers.external.templates import substitute
+from drivers.labels import DRIVER_LABEL, REQUEST_LABEL, SESSION_LABEL
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError, SandboxExecError, SandboxStartError, shown
 from gpuhost.leases import Holder
@@ -32,7 +33,6 @@ from gpuhost.spec import SandboxSpec
 
 EXEC_SLACK_S = 1.0
 """How long past an exec's own timeout the driver has to answer ``timeout`` itself."""
-LABEL = "gpu-sandbox.dev/"
 CAPABILITY_DEFAULTS: dict[str, Any] = {
     "exclusive": True, "shared": False, "mig": False, "vendors": ["nvidia"], "idForms": [],
 }  # fmt: skip
@@ -147,8 +147,8 @@ class JsonlDriver(ExternalDriver):
         spec = SandboxSpec(image=req.image, env=req.env, gpu=req.gpu, driver_config=block)
         what = f"{self.name} create in session {self.session_id}"
         labels = {
-            f"{LABEL}session": self.session_id, f"{LABEL}driver": self.name,
-            f"{LABEL}request": launch.sandbox_id,
+            SESSION_LABEL: self.session_id, DRIVER_LABEL: self.name,
+            REQUEST_LABEL: launch.sandbox_id,
         }  # fmt: skip
         try:
             reply = self.request(
