@@ -54,6 +54,7 @@ from drivers.kubernetes.turn import (
     CatalogueTurn,
 )
 from drivers.labels import DRIVER_LABEL, LABEL_PREFIX, SANDBOX_LABEL, SESSION_LABEL
+from gpuhost import strict
 from gpuhost.devices import GpuDevice, gpus_from_json
 from gpuhost.errors import (
     DriverError,
@@ -180,7 +181,7 @@ class KubernetesDriver(ClusterDriver):
             if not count:
                 continue
             name = node["metadata"]["name"]
-            published = json.loads(
+            published = strict.parse_json(
                 (node["metadata"].get("annotations") or {}).get(INVENTORY_ANNOTATION) or "{}"
             )
             if self.resource in published:
