@@ -67,14 +67,8 @@ class VfioRefused(VfioError):
     """A group the binder will not take from its driver: not asked to, or a GPU in use."""
 
 
-class VfioRecordCorrupt(VfioError):
+class VfioRecordCorrupt(strict.InvalidFile, VfioError):
     """A claim's record that cannot be read as this binder writes it: ``field`` is where."""
-
-    def __init__(self, source: Path, field: str, value: object, problem: str) -> None:
-        super().__init__(f"{source}: {field}: {problem}")
-        self.source = source
-        self.field = field
-        self.value = value
 
 
 RECORD: dict[str, Kind] = {
