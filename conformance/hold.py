@@ -33,6 +33,7 @@ from conformance.observe import describe_gpus, visible_gpu_uuids
 from drivers import REGISTRY, get_driver_class
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
+from gpuhost import strict
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError
 from gpuhost.host import GpuHost, HostConfig
@@ -270,7 +271,7 @@ def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str)
     )
     if done.returncode != 0:
         raise RuntimeError(f"reap from a fresh process failed ({done.returncode}): {done.stderr}")
-    removed: list[str] = json.loads(done.stdout)["removed"]
+    removed: list[str] = strict.record(strict.parse_json(done.stdout), {"removed": list})["removed"]
     return removed
 
 

@@ -7,26 +7,23 @@ list a requirement is therefore **mandatory** (a failure fails the release), **o
 as such). A driver outside the golden list, selected by import path, is held to every
 requirement, and so is every driver to a requirement the list does not know.
 
-The suite's YAML files, this list and the workload manifest, are read by one strict reader
-(``read_yaml``) and refused with a typed error (``InvalidFile``) that names the field and
-the value (``shown``).
+The suite's YAML files, this list and the workload manifest, are read by the one strict
+reader (``gpuhost.strict.read_yaml``) and refused with a typed error (``InvalidFile``) that
+names the field and the value (``gpuhost.errors.shown``).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import reprlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from gpuhost import strict
-from gpuhost.errors import digits
-from gpuhost.strict import InvalidFile as InvalidFile
-from gpuhost.strict import Unreadable
-from gpuhost.strict import member as member
+from gpuhost.errors import shown
+from gpuhost.strict import InvalidFile, member
 
 REQUIREMENTS_FILE = Path(__file__).with_name("REQUIREMENTS.yaml")
 
@@ -103,7 +100,7 @@ def parse(document: object, source: Path = REQUIREMENTS_FILE) -> GoldenList:
 
 @functools.cache
 def load(path: Path = REQUIREMENTS_FILE) -> GoldenList:
-    return parse(read_yaml(path, RequirementsError), path)
+    return parse(strict.read_yaml(path, RequirementsError), path)
 
 
 def _requirement(source: Path, where: str, entry: object, drivers: tuple[str, ...]) -> Requirement:
@@ -181,48 +178,3 @@ def listed(source: Path, field: str, value: object, error: type[InvalidFile]) ->
     if not isinstance(value, list) or not value:
         raise error(source, field, value, f"must be a non-empty list, got {shown(value)}")
     return value
-
-
-# -- the suite's YAML, read strictly -------------------------------------------------------
-
-
-def read_yaml(path: Path, error: type[InvalidFile]) -> object:
-    """The YAML document of ``path``, read by ``gpuhost.strict``; else ``error`` naming the field.
-
-    UTF-8, at most 64 KiB, one document without anchors, aliases (an alias bomb is refused
-    before it is expanded), tags or merge keys, no key twice, no number that is not finite,
-    nested 16 deep at most. A scalar Python cannot hold (an integer of over 4,300 digits, a
-    date of the 13th month) is read as an ``Unreadable``, for the field that holds it to refuse.
-    """
-    return strict.read_yaml(path, error)
-
-
-# -- values in messages -----------------------------------------------------------------------
-
-
-class _Short(reprlib.Repr):
-    def repr_int(self, x: int, level: int) -> str:
-        return _digits(x) if abs(x) >= 10**40 else repr(x)
-
-
-_SHORT = _Short()
-_SHORT.maxstring = _SHORT.maxother = 60
-_SHORT.maxlist = _SHORT.maxdict = 6
-_SHORT.maxlevel = 3
-
-
-def shown(value: object) -> str:
-    """``value`` for a one-line message: its repr, cut short, with its full length."""
-    if isinstance(value, Unreadable):
-        return value.what
-    text = _SHORT.repr(value)
-    if isinstance(value, str) and len(value) > _SHORT.maxstring:
-        text += f" ({len(value)} characters)"
-    elif isinstance(value, list | dict) and len(value) > _SHORT.maxlist:
-        text += f" ({len(value)} items)"
-    return text if len(text) <= 160 else f"{text[:157]}..."
-
-
-def _digits(number: int) -> str:
-    """``an integer of N digits``, counted without writing it out."""
-    return f"{'a negative' if number < 0 else 'an'} integer of {digits(number)} digits"

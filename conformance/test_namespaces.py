@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 from uuid import uuid4
 
@@ -13,6 +11,7 @@ import pytest
 from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory
 from conformance.observe import BOOT_ID, COMMAND_PATHS, Run, ways_to_run
+from gpuhost.spawn import kill_group
 from gpuhost.spec import SandboxSpec
 
 KINDS = ("net", "pid")
@@ -39,8 +38,7 @@ DIMENSIONS = {
 
 
 def _end_group(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    kill_group(process.pid)
     process.wait()
 
 

@@ -28,7 +28,7 @@ from gpuhost.leases import (
     process_start_time,
 )
 from gpuhost.procfs import kill_marked
-from gpuhost.spawn import stop_process
+from gpuhost.spawn import kill_group, stop_process
 from gpuhost.uids import SandboxUser
 from gpuhost.wait import wait_for
 
@@ -122,8 +122,7 @@ class ReferenceSandbox(HostProcessSandbox):
             return output.read_from(process, command.timeout)
         except BaseException as exc:
             # The group holds nsenter; the marker finds the rest, wherever it went.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process.pid)
             kill_marked(command.needle)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(KILL_TIMEOUT_S)

@@ -9,16 +9,18 @@ carry, never by trusting the name.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuhost import strict
 from gpuhost.devices import CDI_KIND, NVIDIA_GPU_MAJORS, GpuDevice
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+SPEC_MAX_BYTES = 8 << 20
+"""Far over any spec nvidia-ctk writes (5 KB a GPU, with its MIG devices a few times that)."""
 """Where CDI-enabled engines look unless configured otherwise (podman, dockerd, containerd)."""
 
 
@@ -91,8 +93,6 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) ->
 
     As in the CDI library, a later directory overrides an earlier one for the same name.
     """
-    import yaml  # slow to import: only reading specs needs it, not naming a driver
-
     devices: dict[str, frozenset[NodeKey]] = {}
     sources: dict[str, frozenset[str]] = {}
     problems = []
@@ -113,21 +113,21 @@ def load(spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS, kind: str = CDI_KIND) ->
                     name = f"{kind}={device.get('name')}"
                     devices[name] = frozenset(key for key, _ in nodes)
                     sources[name] = frozenset(source for _, source in nodes if source)
-            except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as exc:
+            except strict.InvalidFile as exc:
+                problems.append(str(exc))
+            except (ValueError, AttributeError, TypeError) as exc:
                 problems.append(f"{path}: {type(exc).__name__}: {exc}")
     return CdiRegistry(_index_names_first(devices), sources, tuple(problems), spec_dirs, kind)
 
 
 def _read(path: Path) -> dict[str, Any]:
-    text = path.read_text()
+    """A spec, read strictly (``gpuhost.strict``): a key twice, an anchor or a tag refused."""
     if path.suffix == ".json":
-        data = json.loads(text)
+        data = strict.read_json(path, max_bytes=SPEC_MAX_BYTES)
     else:
-        import yaml
-
-        data = yaml.safe_load(text)
+        data = strict.read_yaml(path, max_bytes=SPEC_MAX_BYTES)
     if not isinstance(data, dict):
-        raise ValueError("not a CDI spec (not a mapping)")
+        raise strict.InvalidFile(path, strict.DOCUMENT, data, "is not a CDI spec (not a mapping)")
     return data
 
 

@@ -6,6 +6,8 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
+from gpuhost import strict
+
 NVIDIA_MAJOR = 195
 """Character-device major of /dev/nvidia<minor> and /dev/nvidiactl (minor 255)."""
 DRM_MAJOR = 226
@@ -150,7 +152,7 @@ def gpus_to_json(gpus: tuple[GpuDevice, ...] | list[GpuDevice]) -> str:
 def gpus_from_json(text: str) -> tuple[GpuDevice, ...]:
     """The GPUs of ``gpus_to_json``, each with its ``/dev/nvidia<minor>`` node."""
     gpus = []
-    for item in json.loads(text):
+    for item in strict.parse_json(text):
         minor, major = item.get("minor"), int(item.get("major", NVIDIA_MAJOR))
         nodes = () if minor is None else (DeviceNode(f"/dev/nvidia{minor}", major, minor),)
         gpus.append(

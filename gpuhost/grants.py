@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING
 
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted
+from gpuhost.spec import SHARED
 
 if TYPE_CHECKING:
     from gpuhost.leases import Lease
-
-EXCLUSIVE, SHARED = "exclusive", "shared"
 
 
 def grant(

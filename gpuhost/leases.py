@@ -43,8 +43,6 @@ from typing import Any
 from gpuhost import leasefile
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuAllocationError
-from gpuhost.grants import EXCLUSIVE as EXCLUSIVE
-from gpuhost.grants import SHARED as SHARED
 from gpuhost.grants import grant
 from gpuhost.leasefile import FORMAT_VERSION as FORMAT_VERSION
 from gpuhost.leasefile import LeaseFileCorrupt as LeaseFileCorrupt
@@ -58,6 +56,8 @@ from gpuhost.liveness import liveness_check as liveness_check
 from gpuhost.liveness import process_running as process_running
 from gpuhost.liveness import process_start_time as process_start_time
 from gpuhost.liveness import register_liveness as register_liveness
+from gpuhost.spec import EXCLUSIVE as EXCLUSIVE
+from gpuhost.spec import SHARED as SHARED
 
 DEFAULT_SHARE_LIMIT = 4
 """How many shared sandboxes may co-hold one GPU, unless a host says otherwise."""

@@ -1,4 +1,4 @@
-"""Starting sandbox processes that die with the process that created them.
+"""Starting sandbox processes that die with the process that created them, and ending them.
 
 ``PR_SET_PDEATHSIG`` (bwrap's ``--die-with-parent``, ``setpriv --pdeathsig``) fires when the
 *thread* that forked the child exits, not the process: a sandbox created from a short-lived
@@ -9,11 +9,18 @@ long-lived thread per process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import signal
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+TERM_GRACE_S = 2.0
+"""How long a process group has between SIGTERM and SIGKILL, where it is given one."""
 
 _spawners: dict[int, ThreadPoolExecutor] = {}
 _spawners_lock = threading.Lock()
@@ -57,3 +64,36 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
     for stream in (process.stdin, process.stdout, process.stderr):
         if stream is not None:
             stream.close()
+
+
+def kill_group(
+    pgid: int, grace_s: float = 0.0, wait: Callable[[float], object] | None = None
+) -> None:
+    """End the process group ``pgid``: SIGTERM, up to ``grace_s`` to go, then SIGKILL.
+
+    ``wait(grace_s)`` waits for it to go (a ``Popen``'s ``wait``; by default, until no
+    process of the group is left). Without a grace, SIGKILL alone. The group gets SIGKILL
+    even where its leader went in time: what the leader started may not have.
+    """
+    if grace_s > 0:
+        _signal_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            (wait or functools.partial(_group_gone, pgid))(grace_s)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            pass  # a member not ours to signal: still there
+        time.sleep(0.02)

@@ -3,7 +3,9 @@
 The one reader of each for what the suite reads from people and from other programs: the
 golden list and the workload manifest (``conformance``), an external driver's manifest
 (``drivers.external.manifest``), CDI specs (``gpuhost.cdi``), a request's JSON
-(``gpuhost.requestjson``), the lanes' reports (``conformance.lanes``).
+(``gpuhost.requestjson``), the lanes' reports (``conformance.lanes``); and of the records
+the suite writes itself and reads back (``read_record``: VFIO claims, the guest image's
+metadata), each held to its shape.
 
 Refused, with a typed error naming the file, the key (a dotted path such as
 ``templates.create[3]``) and, for YAML, the line and column:
@@ -30,9 +32,10 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from gpuhost.errors import shown
 
@@ -257,6 +260,20 @@ def _problem(exc: Any) -> str:
     return " ".join(str(exc).split())
 
 
+def dump_yaml(data: object) -> str:
+    """``data`` as YAML this module reads back: an object held twice is written out twice.
+
+    PyYAML's own dumper writes an anchor and an alias for it, which ``parse_yaml`` refuses.
+    """
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False)
+
+
 # -- JSON -------------------------------------------------------------------------------------
 
 
@@ -311,3 +328,68 @@ def _float(text: str) -> float:
     if not math.isfinite(number):
         raise NotStrict("", text, f"the number {shown(text)} is too large for a float")
     return number
+
+
+# -- records: JSON objects of a known shape -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class MapOf:
+    """A JSON object of keys of its own, each value of ``kind``."""
+
+    kind: type | tuple[type, ...]
+
+
+Kind: TypeAlias = "type | tuple[type, ...] | MapOf | Mapping[str, Kind]"
+"""What a field holds: a value of a type (one of several), a ``MapOf``, or a nested record."""
+_NAMES = {
+    str: "a string", int: "an integer", float: "a number", bool: "true or false",
+    dict: "an object", list: "a list", type(None): "null",
+}  # fmt: skip
+
+
+def record(data: object, shape: Mapping[str, Kind], where: str = "") -> dict[str, Any]:
+    """``data`` as a record of ``shape``: each field there, of its kind, and no other.
+
+    ``NotStrict`` naming the first field that is not. A ``bool`` is no integer here.
+    """
+    if not isinstance(data, dict):
+        raise NotStrict(where, data, f"must be an object, got {shown(data)}")
+    for key in data:
+        if key not in shape:
+            raise NotStrict(member(where, key), key, f"is not a field of it (known: {list(shape)})")
+    for key, kind in shape.items():
+        field = member(where, key)
+        if key not in data:
+            raise NotStrict(field, None, "is required")
+        _check(data[key], kind, field)
+    return data
+
+
+def _check(value: object, kind: Kind, field: str) -> None:
+    if isinstance(kind, MapOf):
+        if not isinstance(value, dict):
+            raise NotStrict(field, value, f"must be an object, got {shown(value)}")
+        for key, item in value.items():
+            _check(item, kind.kind, member(field, key))
+    elif isinstance(kind, Mapping):
+        record(value, kind, field)
+    else:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            what = " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
+            raise NotStrict(field, value, f"must be {what}, got {shown(value)}")
+
+
+def read_record(
+    path: Path,
+    shape: Mapping[str, Kind],
+    error: FileError = InvalidFile,
+    max_bytes: int = MAX_BYTES,
+) -> dict[str, Any]:
+    """The JSON record of ``path``, read strictly and held to ``shape``; else ``error``."""
+    data = read_json(path, error, max_bytes)
+    try:
+        return record(data, shape)
+    except NotStrict as exc:
+        raise error(path, exc.field or DOCUMENT, exc.value, exc.problem) from exc

@@ -41,10 +41,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from gpuhost import strict
 from gpuhost.discovery import parse_proc_driver_information
 from gpuhost.leases import Holder, liveness_check
 from gpuhost.pci import from_sysfs, gpu_pci_devices, iommu_groups
+from gpuhost.strict import Kind, MapOf
 from gpuhost.wait import wait_for
 
 VFIO_DRIVER = "vfio-pci"
@@ -62,6 +65,19 @@ class VfioError(RuntimeError):
 
 class VfioRefused(VfioError):
     """A group the binder will not take from its driver: not asked to, or a GPU in use."""
+
+
+class VfioRecordCorrupt(strict.InvalidFile, VfioError):
+    """A claim's record that cannot be read as this binder writes it: ``field`` is where."""
+
+
+RECORD: dict[str, Kind] = {
+    "sandbox": str,
+    "holder": {"kind": str, "ref": str},
+    "functions": MapOf((str, type(None))),
+    "uuids": MapOf(str),
+}
+"""A claim's record (``<state>/vfio/<group>.json``): what ``VfioBinder._write`` writes."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +204,7 @@ class VfioBinder:
         with self._locked():
             record = self._record(group)
             if record.exists():
-                previous = json.loads(record.read_text())
+                previous = self._read(record)
                 raise VfioError(
                     f"IOMMU group {group} of {bdf} is bound for sandbox {previous['sandbox']} "
                     f"(record {record})"
@@ -270,15 +286,15 @@ class VfioBinder:
         """PCI address → UUID, of the GPUs that claims took from the nvidia driver."""
         uuids: dict[str, str] = {}
         for record in sorted(self.records.glob("*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                uuids.update(json.loads(record.read_text()).get("uuids", {}))
+            with contextlib.suppress(VfioRecordCorrupt):
+                uuids.update(self._read(record)["uuids"])
         return uuids
 
     def set_holder(self, claim: VfioClaim, sandbox_id: str, holder: Holder) -> None:
         """Record the process that now holds the group (the VM, once it runs)."""
         with self._locked():
             record = self._record(claim.group)
-            uuids = json.loads(record.read_text()).get("uuids", {})
+            uuids = self._read(record)["uuids"]
             self._write(record, sandbox_id, holder, claim.functions, uuids)
 
     def release(self, group: str) -> None:
@@ -291,8 +307,7 @@ class VfioBinder:
         restored = []
         with self._locked():
             for record in sorted(self.records.glob("*.json")):
-                data = json.loads(record.read_text())
-                holder = Holder(**data["holder"])
+                holder = Holder(**self._read(record)["holder"])
                 check = liveness_check(holder.kind)
                 if check is not None and not check(holder):
                     self._release(record.stem)
@@ -304,15 +319,14 @@ class VfioBinder:
         if not self.records.is_dir():
             return {}
         return {
-            record.stem: json.loads(record.read_text())["sandbox"]
-            for record in self.records.glob("*.json")
+            record.stem: self._read(record)["sandbox"] for record in self.records.glob("*.json")
         }
 
     def _release(self, group: str) -> None:
         record = self._record(group)
         if not record.exists():
             return
-        functions: dict[str, str | None] = json.loads(record.read_text())["functions"]
+        functions: dict[str, str | None] = self._read(record)["functions"]
         self._restore(functions)
         record.unlink()
 
@@ -354,6 +368,10 @@ class VfioBinder:
 
     def _record(self, group: str) -> Path:
         return self.records / f"{group}.json"
+
+    def _read(self, record: Path) -> dict[str, Any]:
+        """A claim's record, as ``_write`` wrote it; else ``VfioRecordCorrupt`` naming the field."""
+        return strict.read_record(record, RECORD, VfioRecordCorrupt)
 
     def _write(
         self,

@@ -18,7 +18,7 @@ workloads:
 A name is at most 255 characters; a payload is a file name (letters, digits, ``_``, ``.``
 and ``-``, at most 255); an image is printable ASCII without spaces, at most 512
 characters; no string of ``args`` or ``command`` holds a NUL byte. The file is read by
-``conformance.requirements.read_yaml``: UTF-8, at most 64 KiB, no anchors, aliases or tags,
+``gpuhost.strict.read_yaml``: UTF-8, at most 64 KiB, no anchors, aliases or tags,
 no key twice.
 
 In ``args`` and ``command``, ``{gpu_uuids}`` becomes the sandbox's GPUs' UUIDs, comma
@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.requirements import ID, InvalidFile, listed, member, read_yaml, shown
+from conformance.requirements import ID, listed
+from gpuhost.errors import shown
 from gpuhost.spec import NOT_TEXT
+from gpuhost.strict import InvalidFile, member, read_yaml
 
 MANIFEST = Path(__file__).parent / "manifest.yaml"
 PAYLOADS = Path(__file__).parent / "payloads"

@@ -15,12 +15,8 @@ GPUs come back, as a bubblewrap sandbox dies with its parent.
 """
 
 from drivers.container.api import API_TIMEOUT_S as API_TIMEOUT_S
-from drivers.container.api import DEVICES_LABEL as DEVICES_LABEL
-from drivers.container.api import DRIVER_LABEL as DRIVER_LABEL
 from drivers.container.api import EXEC_API_TIMEOUT_S as EXEC_API_TIMEOUT_S
 from drivers.container.api import LIVENESS_TIMEOUT_S as LIVENESS_TIMEOUT_S
-from drivers.container.api import SANDBOX_LABEL as SANDBOX_LABEL
-from drivers.container.api import SESSION_LABEL as SESSION_LABEL
 from drivers.container.api import STOP_TIMEOUT_S as STOP_TIMEOUT_S
 from drivers.container.api import ContainerRequest as ContainerRequest
 from drivers.container.api import EngineError as EngineError
@@ -29,3 +25,7 @@ from drivers.container.driver import ContainerDriver as ContainerDriver
 from drivers.container.keepalive import KEEPALIVE_PATH as KEEPALIVE_PATH
 from drivers.container.keepalive import KEEPALIVE_SCRIPT as KEEPALIVE_SCRIPT
 from drivers.container.sandbox import ContainerSandbox as ContainerSandbox
+from drivers.labels import DEVICES_LABEL as DEVICES_LABEL
+from drivers.labels import DRIVER_LABEL as DRIVER_LABEL
+from drivers.labels import SANDBOX_LABEL as SANDBOX_LABEL
+from drivers.labels import SESSION_LABEL as SESSION_LABEL

@@ -1,7 +1,7 @@
 """What a container engine is asked and answers: labels, timeouts, a request, its errors.
 
-Every container carries labels: the session, the sandbox id, the driver and the CDI devices
-it holds; ``session_containers`` finds a session's by them.
+Every container carries labels (``drivers.labels``): the session, the sandbox id, the driver
+and the CDI devices it holds; ``session_containers`` finds a session's by them.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ from typing import TypeVar
 
 from gpuhost.devices import DeviceNode
 
-LABEL_PREFIX = "io.gpu-sandbox."
-SESSION_LABEL = LABEL_PREFIX + "session"
-SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
-DRIVER_LABEL = LABEL_PREFIX + "driver"
-DEVICES_LABEL = LABEL_PREFIX + "cdi-devices"
 API_TIMEOUT_S = 60
 """For every engine call but exec, which runs as long as the command: a minute means stuck."""
 LIVENESS_TIMEOUT_S = 5

@@ -10,15 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from drivers.base import Availability, Driver, Launch
-from drivers.container.api import (
-    DEVICES_LABEL,
-    DRIVER_LABEL,
-    REAP_TIMEOUT_S,
-    SANDBOX_LABEL,
-    SESSION_LABEL,
-    ContainerRequest,
-    EngineError,
-)
+from drivers.container.api import REAP_TIMEOUT_S, ContainerRequest, EngineError
 from drivers.container.keepalive import (
     KEEPALIVE_OPEN_TIMEOUT_S,
     KEEPALIVE_SCRIPT,
@@ -28,6 +20,7 @@ from drivers.container.keepalive import (
 )
 from drivers.container.sandbox import ContainerSandbox
 from drivers.images import DEFAULT_IMAGE
+from drivers.labels import DEVICES_LABEL, DRIVER_LABEL, SANDBOX_LABEL, SESSION_LABEL
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, GpuDevice
 from gpuhost.errors import SandboxStartError, UnknownImage

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import signal
 import sys
 import threading
 import time
@@ -22,18 +21,18 @@ from typing import Any
 from drivers.base import Availability, Command, CommandTimedOut, Launch, Output, Sandbox, write_all
 from drivers.external.connection import CANCEL_GRACE_S, Connection, DriverProcessDied, Pending
 from drivers.external.driver import ExternalDriver, ExternalDriverError, OperationTimedOut
-from drivers.external.process import TERM_GRACE_S
 from drivers.external.protocol import PROTOCOL_VERSION, ProtocolError, exec_error, request_error
 from drivers.external.templates import substitute
+from drivers.labels import DRIVER_LABEL, REQUEST_LABEL, SESSION_LABEL
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError, SandboxExecError, SandboxStartError, shown
 from gpuhost.leases import Holder
 from gpuhost.procfs import kill_marked
+from gpuhost.spawn import TERM_GRACE_S, kill_group
 from gpuhost.spec import SandboxSpec
 
 EXEC_SLACK_S = 1.0
 """How long past an exec's own timeout the driver has to answer ``timeout`` itself."""
-LABEL = "gpu-sandbox.dev/"
 CAPABILITY_DEFAULTS: dict[str, Any] = {
     "exclusive": True, "shared": False, "mig": False, "vendors": ["nvidia"], "idForms": [],
 }  # fmt: skip
@@ -148,8 +147,8 @@ class JsonlDriver(ExternalDriver):
         spec = SandboxSpec(image=req.image, env=req.env, gpu=req.gpu, driver_config=block)
         what = f"{self.name} create in session {self.session_id}"
         labels = {
-            f"{LABEL}session": self.session_id, f"{LABEL}driver": self.name,
-            f"{LABEL}request": launch.sandbox_id,
+            SESSION_LABEL: self.session_id, DRIVER_LABEL: self.name,
+            REQUEST_LABEL: launch.sandbox_id,
         }  # fmt: skip
         try:
             reply = self.request(
@@ -243,13 +242,9 @@ class JsonlSandbox(Sandbox):
             return
         pid, driver = pending.pid, self._conn.pid
         own = pid is not None and driver is not None and descends_from(pid, driver)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if own:
-                assert pid is not None
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, sig)
-            if sig == signal.SIGTERM:
-                time.sleep(TERM_GRACE_S if own else 0)
+        if own:
+            assert pid is not None
+            kill_group(pid, TERM_GRACE_S)
         kill_marked(command.needle)  # what left its process group, on this host
 
     def _close(self, kill: bool) -> None:

@@ -10,11 +10,9 @@ driver's end of its stdin or stdout pipe (one that also cleared its environment)
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import selectors
-import signal
 import subprocess
 import time
 import uuid
@@ -24,12 +22,11 @@ from pathlib import Path
 
 from drivers.external.protocol import ProtocolError
 from gpuhost.procfs import KILL_MARKED_TIMEOUT_S, kill_if, kill_marked
+from gpuhost.spawn import TERM_GRACE_S, kill_group
 
 MAX_LINE = 64 * 1024 * 1024
 """A line longer than this is not a message (64 MiB: an output chunk is far smaller)."""
 READ_SIZE = 1 << 20
-TERM_GRACE_S = 2.0
-"""How long the driver process has between SIGTERM and SIGKILL."""
 DRIVER_MARKER_ENV = "GPU_SANDBOX_JSONL_DRIVER"
 """Set, to a value of each driver process's own, in its environment: inherited by whatever it
 starts, setsid or not, and how what is left of it is found once it has ended."""
@@ -99,14 +96,7 @@ class DriverProcess:
 
     def stop(self, term: bool = True) -> int:
         """SIGTERM its process group (``term``), then SIGKILL it: its exit status, once reaped."""
-        pid = self.popen.pid
-        if term:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(TERM_GRACE_S)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)  # the group outlives its leader while members run
+        kill_group(self.popen.pid, TERM_GRACE_S if term else 0, self.popen.wait)
         return self.popen.wait()
 
     def clear(self) -> None:

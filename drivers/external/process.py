@@ -17,7 +17,6 @@ import contextlib
 import functools
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
@@ -27,10 +26,9 @@ from pathlib import Path
 from drivers.host_process import HOST_ENV
 from gpuhost.errors import DriverError, shown
 from gpuhost.procfs import kill_marked
+from gpuhost.spawn import TERM_GRACE_S, kill_group
 
 PIPE = subprocess.PIPE
-TERM_GRACE_S = 2.0
-"""How long a timed-out command's process group has between SIGTERM and SIGKILL."""
 
 
 @functools.cache
@@ -82,19 +80,8 @@ class OperationTimedOut(ExternalDriverError):
 
 
 def terminate_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group of ``process``, then SIGKILL it after ``TERM_GRACE_S``."""
-    for sig, grace in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-        if grace is None:
-            break
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; what it started may not be: the group still gets SIGKILL.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    """SIGTERM the process group of ``process``, SIGKILL it after ``TERM_GRACE_S``; reap it."""
+    kill_group(process.pid, TERM_GRACE_S, process.wait)
     process.wait()
 
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 from drivers.base import Driver
 from drivers.kubernetes.api import LOCAL_KUBECONFIG, Cluster, find_kubeconfig, json_body
 from drivers.kubernetes.exec import PodExec
-from drivers.kubernetes.pods import DRIVER_LABEL, MANAGED_BY, SESSION_LABEL
+from drivers.kubernetes.pods import MANAGED_BY
+from drivers.labels import DRIVER_LABEL, SESSION_LABEL
 from gpuhost.host import GpuHost
 from gpuhost.wait import wait_for
 

@@ -40,11 +40,8 @@ from drivers.kubernetes.cluster import ClusterDriver
 from drivers.kubernetes.exec import ignore
 from drivers.kubernetes.options import OPTION_KEYS, check_options
 from drivers.kubernetes.pods import (
-    DRIVER_LABEL,
     MANAGED_BY,
-    SANDBOX_LABEL,
     SECURITY_CONTEXT,
-    SESSION_LABEL,
     free_gpus,
     granted_uuids,
     pod_manifest,
@@ -56,7 +53,8 @@ from drivers.kubernetes.turn import (
     TURN_TIMEOUT_S,
     CatalogueTurn,
 )
-from gpuhost import environ
+from drivers.labels import DRIVER_LABEL, LABEL_PREFIX, SANDBOX_LABEL, SESSION_LABEL
+from gpuhost import environ, strict
 from gpuhost.devices import GpuDevice, gpus_from_json
 from gpuhost.errors import (
     DriverError,
@@ -69,7 +67,7 @@ from gpuhost.host import GpuHost
 from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field
 from gpuhost.wait import wait_for
 
-INVENTORY_ANNOTATION = "gpu-sandbox.dev/gpus"
+INVENTORY_ANNOTATION = LABEL_PREFIX + "gpus"
 """A node's GPUs by resource name, as JSON: ``{"nvidia.com/gpu": [<gpus_to_json>]}``."""
 START_TIMEOUT_S = 120.0
 GRANT_TIMEOUT_S = 10.0
@@ -179,7 +177,7 @@ class KubernetesDriver(ClusterDriver):
             if not count:
                 continue
             name = node["metadata"]["name"]
-            published = json.loads(
+            published = strict.parse_json(
                 (node["metadata"].get("annotations") or {}).get(INVENTORY_ANNOTATION) or "{}"
             )
             if self.resource in published:

@@ -16,10 +16,6 @@ from typing import Any
 
 from gpuhost.requestjson import thawed
 
-LABEL_PREFIX = "gpu-sandbox.dev/"
-SESSION_LABEL = LABEL_PREFIX + "session"
-SANDBOX_LABEL = LABEL_PREFIX + "sandbox"
-DRIVER_LABEL = LABEL_PREFIX + "driver"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpu-sandbox"}
 SECURITY_CONTEXT: Mapping[str, Any] = MappingProxyType(
     {

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from drivers.host_process import HOST_ENV
+from gpuhost import strict
 from gpuhost.errors import SandboxStartError
 
 IMAGE_ENV = "GPU_SANDBOX_VM_IMAGE"
@@ -38,6 +38,9 @@ GUEST_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 """The PATH of a command in the guest."""
 CPIO_TIMEOUT_S = 30.0
 """Packing a few files (the simulated host's share) takes milliseconds."""
+_KERNEL_KEYS = ("kernel", "initramfs", "kernel_package", "kernel_version", "kernel_release")
+IMAGE_META: dict[str, strict.Kind] = dict.fromkeys((*_KERNEL_KEYS, "busybox", "guest"), str)
+"""The guest image's image.json, as scripts/vm-image.sh writes it."""
 UNUSED_AFTER_S = 3600.0
 """Templates and combined initramfs files unused this long are removed (they live in /run,
 in memory); simulated hosts come and go with each run."""
@@ -64,8 +67,8 @@ def find_guest_image() -> GuestImage:
         return GuestImage(Path(kernel), Path(initrd), f"kernel {Path(kernel).name}")
     directory = Path(os.environ.get(IMAGE_ENV) or DEFAULT_IMAGE_DIR)
     try:
-        meta = json.loads((directory / "image.json").read_text())
-    except (OSError, ValueError) as exc:
+        meta = strict.read_record(directory / "image.json", IMAGE_META)
+    except strict.InvalidFile as exc:
         raise SandboxStartError(
             f"needed the guest image in {directory} (found none: {exc}; build it with "
             "`make vm-image`, or point GPU_SANDBOX_VM_KERNEL and GPU_SANDBOX_VM_INITRD at "

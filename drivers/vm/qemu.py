@@ -35,7 +35,7 @@ from pathlib import Path
 from drivers.host_process import HOST_ENV, SandboxProcesses, tool
 from drivers.vm.agent import CONTROL_PORT, EXEC_PORT, Channel
 from drivers.vm.image import GuestImage
-from gpuhost import environ
+from gpuhost import environ, strict
 from gpuhost.leases import boot_id
 from gpuhost.spawn import spawn
 from gpuhost.wait import wait_for
@@ -298,9 +298,9 @@ def decide_acceleration(run_dir: Path, image: Callable[[], GuestImage]) -> tuple
     guest = image()
     key = hashlib.sha256(f"{boot_id()} {guest.kernel} {QEMU}".encode()).hexdigest()[:16]
     cache = run_dir / f"accel-{key}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        verdict = json.loads(cache.read_text())
-        return str(verdict["accel"]), str(verdict["why"])
+    with contextlib.suppress(strict.InvalidFile):
+        verdict = strict.read_record(cache, {"accel": str, "why": str})
+        return verdict["accel"], verdict["why"]
     accel, why = _probe_kvm(guest)
     with contextlib.suppress(OSError):
         run_dir.mkdir(parents=True, exist_ok=True)

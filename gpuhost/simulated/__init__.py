@@ -56,6 +56,7 @@ import uuid
 from importlib import resources
 from pathlib import Path
 
+from gpuhost import strict
 from gpuhost.devices import (
     DeviceNode,
     GpuDevice,
@@ -147,9 +148,7 @@ def setup(
     (root / "cdi").mkdir()
     (root / "cdi" / "kind").write_text(f"sim-{token}{CDI_VENDOR_SUFFIX}/gpu\n")
     host = load(root)
-    import yaml  # slow to import: only setting a host up needs it, not loading one
-
-    host.cdi_spec.write_text(yaml.safe_dump(cdi_spec(host), sort_keys=False))
+    host.cdi_spec.write_text(strict.dump_yaml(cdi_spec(host)))
     host.lease_dir.mkdir()
     host.lease_dir.chmod(0o1777)  # every user's sandboxes may take its GPUs (lease protocol)
     if cdi_dir is not None and count:  # CDI names NVIDIA's devices: none to register without

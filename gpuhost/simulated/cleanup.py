@@ -6,7 +6,9 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
+from gpuhost import strict
 from gpuhost.leases import Holder, liveness_check
 from gpuhost.simulated.host import (
     DEFAULT_ROOT,
@@ -80,13 +82,11 @@ def prune_registrations(cdi_dir: Path) -> None:
 
     Both are left by runs killed before their teardown; a host whose owner is gone goes too.
     """
-    import yaml
-
     for spec in cdi_dir.glob(f"{REGISTERED_PREFIX}*.yaml"):
         try:
-            nodes = yaml.safe_load(spec.read_text())["containerEdits"]["deviceNodes"]
-            node = Path(nodes[0]["hostPath"])
-        except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError):
+            data: Any = strict.read_yaml(spec)
+            node = Path(data["containerEdits"]["deviceNodes"][0]["hostPath"])
+        except (strict.InvalidFile, KeyError, IndexError, TypeError):
             continue  # not ours to judge
         if not node.exists():
             spec.unlink(missing_ok=True)

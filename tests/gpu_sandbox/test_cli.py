@@ -8,7 +8,6 @@ SIGTERM during ``run`` leaving no sandbox and no lease; ``spec``, ``gpus`` and `
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -632,28 +631,6 @@ def test_spec_imports_no_engine_client(sim: simulated.SimulatedHost, name: str) 
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()}
     clients = {"docker", "podman", "requests", "kubernetes", "urllib3"}
     assert imported & clients == set()
-
-
-def test_nothing_below_the_command_imports_it() -> None:
-    """The command sits above the drivers and the host layer: nothing there imports it."""
-    importers = [
-        str(path.relative_to(ROOT))
-        for package in ("gpuhost", "drivers", "conformance", "workloads")
-        for path in (ROOT / package).rglob("*.py")
-        if "gpu_sandbox" in _imported(path)
-    ]
-    assert importers == []
-
-
-def _imported(path: Path) -> set[str]:
-    """The top-level packages a module imports."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
-    return names
 
 
 # -- whole requests (--request) and the seeds' own -----------------------------------------

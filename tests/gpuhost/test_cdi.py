@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gpuhost import cdi, simulated
@@ -87,6 +88,24 @@ def test_a_later_directory_overrides_and_unreadable_specs_are_reported(tmp_path:
     assert registry.devices["nvidia.com/gpu=0"] == {("gpu", 3)}
     assert len(registry.problems) == 1
     assert "broken.json" in registry.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ("kind: nvidia.com/gpu\n", "kind: line 194, column 1: the key 'kind' is given twice"),
+        ("x: &a [1]\ny: *a\n", "x: line 1, column 4: an anchor '&a': anchors and aliases"),
+        ("z: !!python/name:os.system ''\n", "z: line 1, column 4: the tag"),
+    ],
+    ids=["key-twice", "alias", "tag"],
+)
+def test_a_spec_is_read_strictly(tmp_path: Path, edit: str, said: str) -> None:
+    """A second ``kind:`` would win in silence, an alias expand: the spec is refused, named."""
+    (tmp_path / "nvidia.yaml").write_text(edit + T4_SPEC.read_text())
+    registry = cdi.load([tmp_path])
+    assert registry.devices == {}
+    assert len(registry.problems) == 1
+    assert registry.problems[0].startswith(f"{tmp_path / 'nvidia.yaml'}: {said}")
 
 
 def test_teardown_unregisters_only_its_own_spec(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import threading
 import time
@@ -10,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from gpuhost.strict import InvalidFile, NotStrict, parse_json, parse_yaml, read_json, read_yaml
+from gpuhost.strict import (
+    InvalidFile,
+    Kind,
+    MapOf,
+    NotStrict,
+    parse_json,
+    parse_yaml,
+    read_json,
+    read_record,
+    read_yaml,
+    record,
+)
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -158,3 +170,42 @@ def test_json_is_read_strictly(tmp_path: Path, text: str, problem: str) -> None:
     path.write_text(text)
     with pytest.raises(InvalidFile, match="is not"):
         read_json(path)
+
+
+SHAPE: dict[str, Kind] = {"name": str, "count": int, "owner": {"uid": int}, "by": MapOf(str)}
+GOOD = {"name": "a", "count": 2, "owner": {"uid": 0}, "by": {"x": "y"}}
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "problem"),
+    [
+        ([GOOD], "", "must be an object, got [{"),
+        ({**GOOD, "extra": 1}, "extra", "is not a field of it (known: ['name', 'count', 'owner'"),
+        ({k: v for k, v in GOOD.items() if k != "count"}, "count", "is required"),
+        ({**GOOD, "count": "2"}, "count", "must be an integer, got '2'"),
+        ({**GOOD, "count": True}, "count", "must be an integer, got True"),
+        ({**GOOD, "owner": {"uid": None}}, "owner.uid", "must be an integer, got None"),
+        ({**GOOD, "owner": {}}, "owner.uid", "is required"),
+        ({**GOOD, "by": {"x": 1}}, "by.x", "must be a string, got 1"),
+        ({**GOOD, "by": {"a b": None}}, "by['a b']", "must be a string, got None"),
+        ({**GOOD, "by": []}, "by", "must be an object, got []"),
+    ],
+    ids=[
+        "not-an-object", "unknown", "missing", "str-for-int", "bool-for-int", "nested",
+        "nested-missing", "map-value", "map-key-shown", "map-not-object",
+    ],
+)  # fmt: skip
+def test_a_record_is_held_to_its_shape(
+    tmp_path: Path, data: object, field: str, problem: str
+) -> None:
+    assert record(GOOD, SHAPE) == GOOD
+    with pytest.raises(NotStrict) as refused:
+        record(data, SHAPE)
+    assert refused.value.field == field
+    assert refused.value.problem.startswith(problem)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidFile) as caught:
+        read_record(path, SHAPE)
+    assert (caught.value.source, caught.value.field) == (path, field or "(document)")
+    assert str(caught.value).startswith(f"{path}: {field or '(document)'}: {problem}")

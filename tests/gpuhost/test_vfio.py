@@ -36,7 +36,14 @@ from gpuhost.errors import GpuAllocationError, SandboxStartError, UnknownGpuDevi
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.leases import Holder, LeaseRegistry
 from gpuhost.spec import SandboxSpec
-from gpuhost.vfio import VFIO_DRIVER, BusGpu, VfioBinder, VfioError, VfioRefused
+from gpuhost.vfio import (
+    VFIO_DRIVER,
+    BusGpu,
+    VfioBinder,
+    VfioError,
+    VfioRecordCorrupt,
+    VfioRefused,
+)
 from tests.breakers.vms import BindingNotRestored
 
 GPU, AUDIO, OTHER_GPU, LONE = "0000:2a:00.0", "0000:2a:00.1", "0000:5d:00.0", "0000:9a:00.0"
@@ -250,6 +257,41 @@ def test_a_bound_group_cannot_be_claimed_again(tmp_path: Path, sysfs: Constructe
         binder.claim(AUDIO, "sandbox-b", Holder.process(os.getpid()))
     binder.release(claim.group)
     _check_restored(sysfs)
+
+
+CORRUPT = {
+    "not JSON": ("{", "(document)", "is not valid JSON"),
+    "a key twice": ('{"sandbox": "a", "sandbox": "b"}', "sandbox", "is given twice"),
+    "no holder": ('{"sandbox": "a", "functions": {}, "uuids": {}}', "holder", "is required"),
+    "a holder's kind a number": (
+        '{"sandbox": "a", "holder": {"kind": 1, "ref": "1"}, "functions": {}, "uuids": {}}',
+        "holder.kind",
+        "must be a string, got 1",
+    ),
+    "a function's driver a list": (
+        '{"sandbox": "a", "holder": {"kind": "process", "ref": "1"}, '
+        '"functions": {"0000:2a:00.0": []}, "uuids": {}}',
+        "functions['0000:2a:00.0']",
+        "must be a string or null, got []",
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "field", "problem"), CORRUPT.values(), ids=list(CORRUPT))
+def test_a_corrupt_record_is_named_by_file_and_field(
+    tmp_path: Path, sysfs: ConstructedSysfs, text: str, field: str, problem: str
+) -> None:
+    """What reads a claim's record back refuses one it did not write, naming where."""
+    binder = _binder(VfioBinder, tmp_path, sysfs)
+    binder.records.mkdir(parents=True)
+    (binder.records / "17.json").write_text(text)
+    for read in (binder.claims, binder.reconcile, lambda: binder.release("17")):
+        with pytest.raises(VfioRecordCorrupt) as caught:
+            read()
+        assert (caught.value.source, caught.value.field) == (binder.records / "17.json", field)
+        assert problem in str(caught.value)
+    assert binder.recorded_uuids() == {}, "a corrupt record's UUIDs were taken"
+    assert (sysfs.driver(GPU), sysfs.driver(AUDIO)) == ("nvidia", "snd_hda_intel")
 
 
 def test_a_function_without_a_driver_stays_without_one(

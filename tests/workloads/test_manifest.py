@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conformance import requirements
-from conformance.requirements import shown
+from gpuhost.errors import shown
 from workloads.manifest import (
     MANIFEST,
     PAYLOADS,
@@ -155,8 +155,7 @@ HOSTILE = {
     ),
     "a payload name over 255 characters": (
         ENTRY.replace("control.py", "x" * 300),
-        "workloads[0].payload: must name a file in "
-        f"{PAYLOADS}, got '{'x' * 27}...{'x' * 28}' (300 characters)",
+        f"workloads[0].payload: must name a file in {PAYLOADS}, got '{'x' * 79}… (300 characters)",
     ),
     "timeout .nan": (
         ENTRY + "    timeout_s: .nan",
