@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +59,15 @@ SPEC_VALUES: dict[str, tuple[str, str]] = {
 shell's quoting, an encoding or a fixed buffer on the way would change."""
 SPEC_ENV.update(dict(SPEC_VALUES.values()))
 SPEC_VALUE_CLASSES = tuple(SPEC_VALUES)
+EXITS = {f"exit {code}": code for code in (1, 2, 126, 127, 128, 255)}
+"""Exit codes as a command gives them: the common ones, the shell's "not executable" and "not
+found" (an engine's own codes too), the first past 128, and the highest."""
+SIGNALS = {
+    f"killed by SIG{name}": signal.Signals[f"SIG{name}"] for name in ("INT", "KILL", "SEGV", "TERM")
+}
+"""Deaths by a signal: the command reports 128 + its number, as a shell does (or minus it, as
+Python's subprocess does)."""
+EXIT_KINDS = (*EXITS, *SIGNALS)
 
 
 PROXIES = ("http_proxy", "https_proxy", "ftp_proxy", "no_proxy")
@@ -95,6 +105,7 @@ DIMENSIONS = {
     ),
     "SANDBOX-EXEC-01": declared(
         path=COMMAND_PATHS,
+        exit_code=EXIT_KINDS,
         output=(
             "exit codes 3 and 130", "stdout and stderr apart", "carriage returns",
             "UTF-8 across 4 KiB boundaries", "a mebibyte on each stream",
@@ -203,6 +214,29 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
         assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
         assert set(long.stdout) == {"o"}, way
         assert set(long.stderr) == {"e"}, way
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_returns_every_exit_code(sandboxes: SandboxFactory) -> None:
+    """Exec MUST return every exit code, and a death by a signal, as the command gave it."""
+    sandbox = sandboxes(SandboxSpec())
+    commands = {kind: f"echo {kind}; exit {code}" for kind, code in EXITS.items()}
+    commands.update(
+        {kind: f"echo {kind}; kill -s {sig.name[3:]} $$" for kind, sig in SIGNALS.items()}
+    )
+    due = {kind: {code} for kind, code in EXITS.items()}
+    due.update({kind: {128 + sig, -sig} for kind, sig in SIGNALS.items()})
+    wrong: dict[str, str] = {}
+    for way, run in ways_to_run(sandbox).items():
+        for kind, script in commands.items():
+            try:
+                result = run(["sh", "-c", script])
+            except SandboxExecError as error:
+                wrong[f"{way}: {kind}"] = f"raised {error}"
+                continue
+            if result.returncode not in due[kind] or result.stdout != f"{kind}\n":
+                wrong[f"{way}: {kind}"] = f"returned {result.returncode}, stdout {result.stdout!r}"
+    assert not wrong, f"commands' exits not returned as they were: {wrong}"
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")
