@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = LeaseRegistry(Path("."))
     devices = []
     for at, device in enumerate(args.devices):
-        uuid, _, parent = device.partition(":")
+        uuid, _, parent = device.rpartition(":")  # a DRI GPU's UUID holds colons
         devices.append(GpuDevice(at, uuid, "GPU", "", parent_uuid=parent or None))
     owner = LeaseOwner("reference", args.sandbox, args.session, Holder.process(os.getpid()))
     registry.acquire(devices, owner, exact=devices)

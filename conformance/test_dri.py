@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from conformance.dimensions import declared
 from conformance.fixtures import Dropped, SandboxFactory
 from conformance.hold import HeldSandbox, refused_to_another_client
+from conformance.holders import HOLDERS, OTHER_USER_PYTHON, OTHER_USER_SH, CannotHold, Place
 from conformance.observe import (
     device_nodes,
     foreign_gpu_nodes,
@@ -42,6 +44,8 @@ EXCLUSIVE_REQUESTS = (
     "one more of the vendor",
     "every GPU of the vendor, once given back",
 )
+OTHER_USERS = (OTHER_USER_PYTHON, OTHER_USER_SH)
+"""Holders of a DRI GPU in another user's lease file (conformance/holders.py)."""
 DIMENSIONS = {
     "DRI-ISOLATION-01": declared(
         vendor=("amd", "intel"), request=ISOLATION_REQUESTS, host=HOSTS[:3]
@@ -52,7 +56,7 @@ DIMENSIONS = {
     ),
     "DRI-EXCLUSIVE-01": declared(
         **{
-            "who holds": ("the driver's sandbox in another process",),
+            "who holds": ("the driver's sandbox in another process", *OTHER_USERS),
             "who asks": ("the driver", "another client of the registry (the reference)"),
             "request": EXCLUSIVE_REQUESTS,
             "how the holder ends": ("closed", "its processes SIGKILLed"),
@@ -218,6 +222,32 @@ def test_a_held_dri_gpu_is_never_granted_again(
     assert sorted(uuids(again)) == sorted(gpu.uuid for gpu in of_vendor), (
         f"every {vendor} GPU should be free again; a count of {len(of_vendor)} got {uuids(again)}"
     )
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("DRI-EXCLUSIVE-01")
+@pytest.mark.parametrize("who", OTHER_USERS)
+def test_a_dri_gpu_in_another_users_lease_file_is_never_granted(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, who: str
+) -> None:
+    """A DRI GPU another user's lease holds MUST never be granted, by an ID or by a count."""
+    of_vendor = _the_most_of_one_vendor(driver)
+    vendor, held = of_vendor[0].vendor, of_vendor[-1]
+    with contextlib.ExitStack() as holding:
+        try:
+            holding.enter_context(HOLDERS[who](Place(settings, driver), [held]))
+        except CannotHold as exc:
+            dropped(who, str(exc))
+            return
+        holds = f"{who} holds {held.describe()}"
+        for device_id in driver.device_ids(held):
+            with pytest.raises(GpuBusy):
+                sandboxes(_exact(driver, device_id))
+        if rest := len(of_vendor) - 1:
+            others = uuids(sandboxes(_vendor(driver, vendor, rest)))
+            assert held.uuid not in others, f"{holds}; a count of {rest} of {vendor} got {others}"
+        with pytest.raises(GpusExhausted):
+            sandboxes(_vendor(driver, vendor))
 
 
 @pytest.mark.requirement("DRI-EXCLUSIVE-01")

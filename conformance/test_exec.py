@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +42,32 @@ SPEC_ENV = {
 }
 """Values a shell or a command line would change, were they passed through one unquoted, and
 variables a driver sets itself (the spec's values win)."""
+SPEC_VALUE_BYTES = 64 << 10
+"""A value of 64 KiB: past a page, a line buffer and a pipe's atomic write, under the 128 KiB
+the kernel allows one variable."""
+SPEC_VALUES: dict[str, tuple[str, str]] = {
+    "a newline": ("SPEC_NEWLINE", "first line\nsecond line\n\nafter an empty one\n"),
+    "a tab": ("SPEC_TAB", "\tcolumn\t\tcolumn\t"),
+    "non-ASCII UTF-8": ("SPEC_UTF8", "caf\u00e9 \u65e5\u672c \U0001f680 \u00a0nbsp"),
+    "a backslash": ("SPEC_BACKSLASH", "C:\\new\\table \\\\ \\n \\"),
+    "a value starting with -": ("SPEC_DASH", "--help -e X=1"),
+    "very long (64 KiB)": (
+        "SPEC_LONG", "".join(f"{i:07d}," for i in range(SPEC_VALUE_BYTES // 8))
+    ),
+}  # fmt: skip
+"""Every class of byte a value can hold, a variable each: what an env file, a command line, a
+shell's quoting, an encoding or a fixed buffer on the way would change."""
+SPEC_ENV.update(dict(SPEC_VALUES.values()))
+SPEC_VALUE_CLASSES = tuple(SPEC_VALUES)
+EXITS = {f"exit {code}": code for code in (1, 2, 126, 127, 128, 255)}
+"""Exit codes as a command gives them: the common ones, the shell's "not executable" and "not
+found" (an engine's own codes too), the first past 128, and the highest."""
+SIGNALS = {
+    f"killed by SIG{name}": signal.Signals[f"SIG{name}"] for name in ("INT", "KILL", "SEGV", "TERM")
+}
+"""Deaths by a signal: the command reports 128 + its number, as a shell does (or minus it, as
+Python's subprocess does)."""
+EXIT_KINDS = (*EXITS, *SIGNALS)
 
 
 PROXIES = ("http_proxy", "https_proxy", "ftp_proxy", "no_proxy")
@@ -73,10 +100,12 @@ DIMENSIONS = {
         path=COMMAND_PATHS,
         gpus=("none", "one GPU"),
         spec_variable=tuple(SPEC_ENV),
+        spec_value=SPEC_VALUE_CLASSES,
         creator_variable=CREATOR_KINDS,
     ),
     "SANDBOX-EXEC-01": declared(
         path=COMMAND_PATHS,
+        exit_code=EXIT_KINDS,
         output=(
             "exit codes 3 and 130", "stdout and stderr apart", "carriage returns",
             "UTF-8 across 4 KiB boundaries", "a mebibyte on each stream",
@@ -144,15 +173,24 @@ def test_commands_see_the_specs_env_and_nothing_of_the_creators(
         spec = parse_spec({**request, "template": {"env": SPEC_ENV}})
         sandbox = sandboxes(spec)
         for way, run in ways_to_run(sandbox).items():
-            listing = run(["env"]).check().stdout
-            seen = dict(line.split("=", 1) for line in listing.splitlines() if "=" in line)
-            wrong = {k: seen.get(k) for k, v in SPEC_ENV.items() if seen.get(k) != v}
-            assert not wrong, f"through {way}, the spec's env {SPEC_ENV} arrived as {wrong}"
-            leaked = [line for line in listing.splitlines() if canary in line]
+            # The kernel's own record, NUL apart: a value may hold a newline.
+            entries = run(["cat", "/proc/self/environ"]).check().stdout.split("\0")
+            seen = dict(entry.split("=", 1) for entry in entries if "=" in entry)
+            wrong = {k: _abridged(seen.get(k)) for k, v in SPEC_ENV.items() if seen.get(k) != v}
+            due = {k: _abridged(SPEC_ENV[k]) for k in wrong}
+            assert not wrong, f"through {way}, the spec's env {due} arrived as {wrong}"
+            leaked = [entry for entry in entries if canary in entry]
             assert not leaked, (
                 f"through {way}, the creating process's variables are inside sandbox "
                 f"{sandbox.id}: {leaked}"
             )
+
+
+def _abridged(value: str | None) -> str | None:
+    """A value for a message: a long one by its length, its head and its tail."""
+    if value is None or len(value) <= 80:
+        return value
+    return f"{len(value)} characters: {value[:30]!r}...{value[-30:]!r}"
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")
@@ -176,6 +214,29 @@ def test_exec_reports_exit_code_and_output(sandboxes: SandboxFactory) -> None:
         assert (len(long.stdout), len(long.stderr)) == (LONG, LONG), f"{way} cut the output short"
         assert set(long.stdout) == {"o"}, way
         assert set(long.stderr) == {"e"}, way
+
+
+@pytest.mark.requirement("SANDBOX-EXEC-01")
+def test_exec_returns_every_exit_code(sandboxes: SandboxFactory) -> None:
+    """Exec MUST return every exit code, and a death by a signal, as the command gave it."""
+    sandbox = sandboxes(SandboxSpec())
+    commands = {kind: f"echo {kind}; exit {code}" for kind, code in EXITS.items()}
+    commands.update(
+        {kind: f"echo {kind}; kill -s {sig.name[3:]} $$" for kind, sig in SIGNALS.items()}
+    )
+    due = {kind: {code} for kind, code in EXITS.items()}
+    due.update({kind: {128 + sig, -sig} for kind, sig in SIGNALS.items()})
+    wrong: dict[str, str] = {}
+    for way, run in ways_to_run(sandbox).items():
+        for kind, script in commands.items():
+            try:
+                result = run(["sh", "-c", script])
+            except SandboxExecError as error:
+                wrong[f"{way}: {kind}"] = f"raised {error}"
+                continue
+            if result.returncode not in due[kind] or result.stdout != f"{kind}\n":
+                wrong[f"{way}: {kind}"] = f"returned {result.returncode}, stdout {result.stdout!r}"
+    assert not wrong, f"commands' exits not returned as they were: {wrong}"
 
 
 @pytest.mark.requirement("SANDBOX-EXEC-01")

@@ -13,7 +13,7 @@ import pytest
 from conformance.bad_requests import COUNT, EXHAUSTED_FIELDS
 from conformance.bounds import unpaced
 from conformance.dimensions import declared
-from conformance.fixtures import SandboxFactory, exhaustion_grace
+from conformance.fixtures import Dropped, SandboxFactory, exhaustion_grace
 from conformance.hold import HeldSandbox, close_all
 from conformance.observe import (
     SIDE_BY_SIDE,
@@ -27,7 +27,7 @@ from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DriverError, GpusExhausted, UnsupportedGpuRequest
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import SHARED, SandboxSpec
 
 
 def _create_within(
@@ -136,20 +136,82 @@ def test_each_pool_says_its_own_numbers(
 
 POOLS = ("the default GPUs", "a MIG profile's instances", "a vendor's GPUs")
 FIELDS = EXHAUSTED_FIELDS
+CO_HELD = "a GPU of the pool co-held by two sharers"
+"""A state where counting leases, not GPUs, gets ``available`` wrong: two leases, one GPU."""
 DIMENSIONS = {
     "GPU-EXHAUST-01": declared(
         pool=POOLS,
-        request=("a count of 2, 1 free", "a default request, none free"),
+        request=(
+            "a count of 2, 1 free",
+            "a default request, none free",
+            "a count of every GPU",
+        ),
         field=FIELDS,
         bound=("a create here plus the driver's grace", "a create that never returns"),
+        state=("every GPU but one held exclusive", CO_HELD),
     ),
     "GPU-EXHAUST-02": declared(
         pool=POOLS,
         field=FIELDS,
-        state=("one of the pool held: available is not total",),
+        state=("one of the pool held: available is not total", CO_HELD),
         refusal=("GpusExhausted, each field by value", "UnsupportedGpuRequest at the count"),
     ),
 }
+
+
+def _co_held(driver: Driver, sandboxes: SandboxFactory) -> float:
+    """A GPU of the default pool held by two shared sandboxes; what the first create took."""
+    if not driver.capabilities.shared or driver.host.share_limit < 2:
+        pytest.skip(f"{driver.name} shares no GPU between two sandboxes")
+    start = time.monotonic()
+    first = sandboxes(SandboxSpec.with_gpus(sharing=SHARED))
+    took = time.monotonic() - start
+    device_id = driver.device_ids(first.gpus[0])[0]
+    second = sandboxes(
+        SandboxSpec.with_gpus(driver=driver.name, device_ids=[device_id], sharing=SHARED)
+    )
+    assert uuids(second) == uuids(first), f"two sharers of {uuids(first)}: {uuids(second)}"
+    return took
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-EXHAUST-01")
+def test_a_gpu_co_held_by_sharers_counts_once(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped
+) -> None:
+    """GpusExhausted MUST count a GPU two sharers hold as one GPU not free, each field by value."""
+    total = len(driver.inventory())
+    took = _co_held(driver, sandboxes)
+    if driver.capabilities.max_gpus_per_sandbox < total:
+        dropped(f"{CO_HELD}, a count of every GPU", f"{driver.name} gives fewer to a sandbox")
+        return
+    bound_s = took + exhaustion_grace(driver, settings)
+    _expect_exhausted(sandboxes, total, available=total - 1, total=total, bound_s=bound_s)
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-EXHAUST-02")
+def test_more_than_exist_counts_a_co_held_gpu_once(
+    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
+) -> None:
+    """More GPUs than exist, one co-held by two sharers: available counts it once, by value."""
+    total = len(driver.inventory())
+    _co_held(driver, sandboxes)
+    leases = driver.host.leases.leases()
+    try:
+        made = sandboxes(SandboxSpec.with_gpus(total + 1))
+    except DriverError as exc:
+        outcome = exc
+    else:
+        pytest.fail(f"{total + 1} of {total} GPUs asked for: it was granted {uuids(made)}")
+    if isinstance(outcome, GpusExhausted):
+        _assert_says(outcome, total + 1, total - 1, total)
+    elif isinstance(outcome, UnsupportedGpuRequest):  # beyond a per-sandbox maximum
+        assert (outcome.field, outcome.value) == (COUNT, total + 1), repr(outcome)
+        dropped(CO_HELD, f"{driver.name} refuses {total + 1} at the count: no available to check")
+    else:
+        pytest.fail(f"expected GpusExhausted or UnsupportedGpuRequest, got {outcome!r}")
+    assert driver.host.leases.leases() == leases, "the refusal took some"
 
 
 def _more_than_exist(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,6 +23,7 @@ from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
+from gpuhost.grants import SHARED
 from gpuhost.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
 
 
@@ -107,6 +109,8 @@ def test_default_request_avoids_gpus_held_by_another_process(
 
 OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: their blocks are not this driver's."""
+SHARED_HOLDERS = ("a shared sandbox", "a shared sandbox of another process")
+"""Who holds a GPU shared, with room for more sharers: an exclusive request is busy all the same."""
 DIMENSIONS = {
     "GPU-DEFAULT-02": declared(
         held_by=("a sandbox of this process", "a sandbox of another process"),
@@ -126,7 +130,7 @@ DIMENSIONS = {
     "GPU-BUSY-01": declared(
         form=("every form the driver lists",),
         beside=("alone", "a free device"),
-        held_by=("a sandbox of this process", "a sandbox of another process"),
+        held_by=("a sandbox of this process", "a sandbox of another process", *SHARED_HOLDERS),
     ),
 }
 
@@ -252,3 +256,48 @@ def test_exact_id_held_by_another_sandbox_is_busy(
         assert other.go()["ok"], "another process could not take the GPU"
         with pytest.raises(GpuBusy):
             sandboxes(spec)
+
+
+@pytest.mark.exclusive
+@pytest.mark.requirement("GPU-BUSY-01")
+@pytest.mark.parametrize("held_by", SHARED_HOLDERS)
+def test_exact_id_held_shared_is_busy_to_an_exclusive_request(
+    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, held_by: str
+) -> None:
+    """An exclusive request naming a device held shared MUST fail with GpuBusy, in every form."""
+    if not driver.capabilities.exact_ids or not driver.capabilities.shared:
+        pytest.skip(f"{driver.name} takes no exact IDs or shares no GPU")
+    with sandboxes(SandboxSpec.with_gpus(sharing=SHARED)) as probe:
+        target = probe.gpus[0]  # a GPU the driver shares
+    ids = driver.device_ids(target)
+    held = SandboxSpec.with_gpus(driver=driver.name, device_ids=[ids[0]], sharing=SHARED)
+    others = [
+        gpu
+        for gpu in driver.inventory()
+        if gpu.uuid != target.uuid and gpu.vendor == target.vendor and gpu.parent_uuid is None
+        and not gpu.mig_enabled
+    ]  # fmt: skip
+    if held_by == "a shared sandbox":
+        holder: contextlib.AbstractContextManager[object] = sandboxes(held)
+    else:
+        holder = HeldSandbox.start(driver, settings, held)
+    with holder as sharer:
+        if isinstance(sharer, HeldSandbox):
+            assert sharer.go()["ok"], f"another process could not share {target.uuid}"
+        before = driver.sandboxes(driver.session_id)
+        for device_id in ids:  # one sharer, room for more: busy to an exclusive request
+            with pytest.raises(GpuBusy) as busy:
+                sandboxes(_exact(driver, [device_id]))
+            assert target.uuid in str(busy.value) or device_id in str(busy.value), (
+                f"{busy.value} names neither {target.uuid} nor {device_id!r}"
+            )
+        if not others:
+            dropped("beside a free device", "one GPU: no other is free beside the shared one")
+        elif driver.capabilities.max_gpus_per_sandbox >= 2:
+            free = driver.device_ids(others[0])[0]
+            with pytest.raises(GpuBusy):
+                sandboxes(_exact(driver, [free, ids[0]], count=2))
+            assert driver.sandboxes(driver.session_id) == before, "a refused request left one"
+            with sandboxes(_exact(driver, [free])) as alone:
+                assert uuids(alone) == [others[0].uuid], "the refused request took a GPU"
+        assert driver.sandboxes(driver.session_id) == before, "a refused request left a sandbox"

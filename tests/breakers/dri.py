@@ -10,12 +10,14 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+from conformance.holders import OTHER_USER_PYTHON, OTHER_USER_SH
+from conformance.test_dri import OTHER_USERS
 from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
-from gpuhost.leases import Holder, LeaseOwner
+from gpuhost.leases import Holder, Lease, LeaseOwner, LeaseRegistry
 from gpuhost.spec import GpuPlan
-from tests.breakers.base import BrokenDriver
+from tests.breakers.base import BrokenDriver, family
 
 
 class DriLeaksNeighbour(BrokenDriver):
@@ -125,3 +127,41 @@ class DriHeldByCreator(BrokenDriver):
         if launch.gpus and all(gpu.vendor != "nvidia" for gpu in launch.gpus):
             launch.hand_over(Holder.process(os.getpid()))
         return sandbox
+
+
+_CLIENTS = {OTHER_USER_PYTHON: ("reference", "Python"), OTHER_USER_SH: ("gpu-lease", "Sh")}
+"""The driver each other-user holder's leases name: the Python client's, the sh client's."""
+
+
+def _blind_to_other_users(who: str) -> type[BrokenDriver]:
+    unseen, client = _CLIENTS[who]
+
+    class _Registry(LeaseRegistry):
+        def _load_others(self) -> list[Lease]:
+            return [lease for lease in super()._load_others() if lease.driver != unseen]
+
+    class Blind(BrokenDriver):
+        __doc__ = (
+            f"DRI-EXCLUSIVE-01: AMD and Intel GPUs are leased blind to {who}: other users' "
+            f"files are read for NVIDIA GPUs only, or for other leases than {unseen!r}'s."
+        )
+        BREAKS = "DRI-EXCLUSIVE-01"
+
+        def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+            dri = plan.vendor in ("amd", "intel") or (
+                plan.gpus and all(gpu.vendor != "nvidia" for gpu in plan.gpus)
+            )
+            if not dri:
+                return super().allocate(sandbox_id, plan)
+            holder = Holder.process(os.getpid())
+            owner = LeaseOwner(self.name, sandbox_id, self.session_id, holder)
+            return _Registry(self.host.leases.directory).acquire(
+                self.pool(plan), owner, count=plan.count, exact=plan.gpus, mode=plan.sharing,
+                share_limit=self.host.share_limit,
+            )  # fmt: skip
+
+    Blind.__name__ = Blind.__qualname__ = f"DriBlindToOtherUsers{client}Client"
+    return Blind
+
+
+family(globals(), OTHER_USERS, _blind_to_other_users)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from conformance.observe import COMMAND_PATHS
-from conformance.test_exec import CREATOR_KINDS
+from conformance.test_exec import CREATOR_KINDS, SPEC_VALUE_CLASSES
 from drivers.base import Command, Launch
 from drivers.reference import ReferenceSandbox
 from tests.breakers.base import BrokenDriver, family
@@ -172,3 +172,59 @@ def _loses_spec_env(way: str) -> type[BrokenDriver]:
 
 
 SPEC_ENV_LOST = family(globals(), COMMAND_PATHS, _loses_spec_env)
+
+
+_MANGLED: dict[str, tuple[str, Callable[[str], str | None], str]] = {
+    "a newline": (
+        "EnvFileLines",
+        lambda value: value.split("\n", 1)[0],
+        "through an env file of KEY=VALUE lines (as docker --env-file reads one): a value is "
+        "cut at its first newline",
+    ),
+    "a tab": (
+        "EnvTabsAsSpaces",
+        lambda value: value.replace("\t", " "),
+        "through a config format that folds whitespace: a value's tabs become spaces",
+    ),
+    "non-ASCII UTF-8": (
+        "EnvAsciiOnly",
+        lambda value: value.encode("ascii", "replace").decode(),
+        "encoded as ASCII on its way: each non-ASCII character of a value becomes '?'",
+    ),
+    "a backslash": (
+        "EnvBackslashEscapes",
+        lambda value: value.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t")
+        .replace("\\", "").replace("\0", "\\"),
+        "through a quoted env file whose reader takes backslashes for escapes",
+    ),
+    "a value starting with -": (
+        "EnvDashIsAnOption",
+        lambda value: None if value.startswith("-") else value,
+        "as a command line's arguments: a value starting with '-' is taken for an option, "
+        "and the variable dropped",
+    ),
+    "very long (64 KiB)": (
+        "EnvFixedBuffer",
+        lambda value: value[:4096],
+        "through a fixed buffer of 4 KiB per value: a longer value is cut there",
+    ),
+}  # fmt: skip
+"""For each class of byte a spec's value holds (SANDBOX-ENV-01), a driver that changes it."""
+
+
+def _mangling(value_class: str) -> type[BrokenDriver]:
+    name, mangle, story = _MANGLED[value_class]
+
+    class Mangles(BrokenDriver):
+        __doc__ = f"SANDBOX-ENV-01: the spec's env goes {story} ({value_class})."
+        BREAKS = "SANDBOX-ENV-01"
+
+        def sandbox_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+            kept = {key: mangle(value) for key, value in extra.items()}
+            return super().sandbox_env({k: v for k, v in kept.items() if v is not None})
+
+    Mangles.__name__ = Mangles.__qualname__ = name
+    return Mangles
+
+
+SPEC_VALUE_MANGLED = family(globals(), SPEC_VALUE_CLASSES, _mangling)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from conformance.observe import COMMAND_PATHS
+from conformance.test_exec import EXIT_KINDS, EXITS, SIGNALS
 from drivers.base import (
     DEFAULT_EXEC_TIMEOUT_S,
     KEPT_BYTES,
@@ -28,8 +29,9 @@ from drivers.base import (
 from drivers.host_process import HOST_ENV, tool
 from drivers.reference import ReferenceSandbox
 from drivers.reference_sandbox import NAMESPACES
+from gpuhost.errors import SandboxExecError
 from gpuhost.procfs import EXEC_MARKER_ENV, each_process, kill_marked, marked_processes
-from tests.breakers.base import BrokenDriver, family
+from tests.breakers.base import BrokenDriver, class_name, family
 
 
 class _LyingSandbox(ReferenceSandbox):
@@ -405,3 +407,30 @@ def _term_then_wait(grace: str) -> type[BrokenDriver]:
 
 
 TERM_THEN_WAIT = family(globals(), [str(grace) for grace in TERM_GRACES_S], _term_then_wait)
+
+
+def _exit_raised(kind: str) -> type[BrokenDriver]:
+    codes = {EXITS[kind]} if kind in EXITS else {128 + SIGNALS[kind], -SIGNALS[kind]}
+
+    class _Sandbox(ReferenceSandbox):
+        def run(self, command: Command, output: Output) -> int:
+            returncode = super().run(command, output)
+            if returncode in codes:
+                raise SandboxExecError(
+                    f"cannot run {list(command.argv)!r} in sandbox {self.id}: exit {returncode}"
+                )
+            return returncode
+
+    class ExitRaised(BrokenDriver):
+        __doc__ = (
+            f"SANDBOX-EXEC-01: a command's {kind} is raised as SandboxExecError, not returned "
+            "(an engine's reserved code, mapped to a typed error)."
+        )
+        BREAKS = "SANDBOX-EXEC-01"
+        SANDBOX = _Sandbox
+
+    ExitRaised.__name__ = ExitRaised.__qualname__ = f"{class_name(kind)}RaisedAsAnError"
+    return ExitRaised
+
+
+EXIT_RAISED = family(globals(), EXIT_KINDS, _exit_raised)

@@ -159,6 +159,39 @@ class TotalCountsEveryDevice(BrokenDriver):
             raise GpusExhausted(exc.requested, exc.available, len(self.host.devices)) from None
 
 
+class _CountsLeases(BrokenDriver):
+    """Refused, its available is the pool less its leases ("free = total - leases").
+
+    Right while every lease is exclusive; a GPU two sharers hold counts twice.
+    """
+
+    MORE_THAN_EXIST: ClassVar[bool]
+
+    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+        try:
+            return super().allocate(sandbox_id, plan)
+        except GpusExhausted as exc:
+            if (exc.requested > exc.total) != self.MORE_THAN_EXIST:
+                raise
+            pool = {gpu.uuid for gpu in self.pool(plan)}
+            leased = [x for x in self.host.leases.leases() if x.gpu_uuid in pool]
+            raise GpusExhausted(exc.requested, len(pool) - len(leased), len(pool)) from None
+
+
+class ExhaustedCountsLeasesNotGpus(_CountsLeases):
+    """GPU-EXHAUST-01: available is the pool less its leases: two sharers' GPU counts twice."""
+
+    BREAKS = "GPU-EXHAUST-01"
+    MORE_THAN_EXIST = False
+
+
+class MoreThanExistCountsLeasesNotGpus(_CountsLeases):
+    """GPU-EXHAUST-02: more than exist, available is the pool less its leases (sharers twice)."""
+
+    BREAKS = "GPU-EXHAUST-02"
+    MORE_THAN_EXIST = True
+
+
 RACE_WINDOW_S = 0.25
 """How long a grant of the unlocked registries takes between reading and writing: wide
 enough that creates the catalogue starts together overlap, even on a loaded machine."""

@@ -1,7 +1,8 @@
-"""Planted breakers of shared GPUs: GPU-SHARED-01/02.
+"""Planted breakers of shared GPUs: GPU-SHARED-01/02, and GPU-BUSY-01 of a GPU held shared.
 
 Shared GPUs are co-held by shared sandboxes only, up to the share limit, and a sharer's
-share comes back however it ends. Their tests: conformance/test_sharing.py.
+share comes back however it ends; an exclusive request for a GPU held shared is busy. Their
+tests: conformance/test_sharing.py, and the busy tests of conformance/test_selection.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from conformance.endings import ENDINGS
+from conformance.test_selection import SHARED_HOLDERS
 from conformance.test_sharing import (
     ANOTHER_CLIENT,
     ANOTHER_PROCESS,
@@ -182,3 +184,35 @@ def _joins(holder: str) -> type[BrokenDriver]:
 
 JOINS_FAMILY = family(globals(), EXCLUSIVE_HOLDERS, _joins)
 """One breaker per exclusive holder a shared request must not join."""
+
+
+def _joins_sharers(held_by: str) -> type[BrokenDriver]:
+    of_this_driver = held_by == SHARED_HOLDERS[0]
+
+    class JoinsSharers(BrokenDriver):
+        __doc__ = (
+            f"GPU-BUSY-01: an exclusive request naming a GPU held by {held_by}, with room "
+            "left, joins its sharers instead of failing with GpuBusy."
+        )
+        BREAKS = "GPU-BUSY-01"
+
+        def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
+            mine: set[str] = vars(self).setdefault("_made", set())
+            if plan.gpus and plan.sharing == EXCLUSIVE:
+                named = {gpu.uuid for gpu in plan.gpus}
+                on = [x for x in self.host.leases.leases() if x.gpu_uuid in named]
+                if on and all(
+                    x.mode == SHARED and (x.sandbox_id in mine) == of_this_driver for x in on
+                ):
+                    plan = dataclasses.replace(plan, sharing=SHARED)
+            granted = super().allocate(sandbox_id, plan)
+            mine.add(sandbox_id)
+            return granted
+
+    JoinsSharers.__name__ = JoinsSharers.__qualname__ = (
+        "ExactJoinsSharersOfThisDriver" if of_this_driver else "ExactJoinsSharersOfAnotherProcess"
+    )
+    return JoinsSharers
+
+
+JOINS_SHARERS = family(globals(), SHARED_HOLDERS, _joins_sharers)
