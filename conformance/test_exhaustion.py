@@ -194,7 +194,7 @@ def test_a_gpu_co_held_by_sharers_counts_once(
 def test_more_than_exist_counts_a_co_held_gpu_once(
     driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
 ) -> None:
-    """More GPUs than exist, one co-held by two sharers: available counts it once, by value."""
+    """A refusal of more GPUs than exist MUST count a GPU two sharers co-hold once, by value."""
     total = len(driver.inventory())
     _co_held(driver, sandboxes)
     leases = driver.host.leases.leases()

@@ -23,8 +23,7 @@ from conformance.settings import Settings
 from drivers.base import Driver
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy, GpusExhausted, UnsupportedGpuRequest
-from gpuhost.grants import SHARED
-from gpuhost.spec import DEVICE_IDS_KEY, SandboxSpec, parse_spec
+from gpuhost.spec import DEVICE_IDS_KEY, SHARED, SandboxSpec, parse_spec
 
 
 @pytest.mark.exclusive
