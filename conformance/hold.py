@@ -258,6 +258,25 @@ def close_all(holders: Iterable[HeldSandbox]) -> None:
         holder._wait_gone()
 
 
+def created_at_once(
+    driver: Driver, settings: Settings, specs: Iterable[SandboxSpec]
+) -> list[dict[str, Any]]:
+    """Each spec created by a process of its own, all told to go at once; their replies.
+
+    Every process is started, has imported the driver and waits before the first is told:
+    the creates race, not the imports.
+    """
+    holders = [HeldSandbox.start(driver, settings, spec) for spec in specs]
+    try:
+        for holder in holders:
+            holder.wait_ready()
+        for holder in holders:
+            holder.send_go()
+        return [holder.result() for holder in holders]
+    finally:
+        close_all(holders)
+
+
 def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str) -> list[str]:
     """What ``reap`` of ``session_id`` removes when run in a process that created nothing."""
     argv = [

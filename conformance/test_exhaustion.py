@@ -14,7 +14,7 @@ from conformance.bad_requests import COUNT, EXHAUSTED_FIELDS
 from conformance.bounds import unpaced
 from conformance.dimensions import declared
 from conformance.fixtures import Dropped, SandboxFactory, exhaustion_grace
-from conformance.hold import HeldSandbox, close_all
+from conformance.hold import created_at_once
 from conformance.observe import (
     SIDE_BY_SIDE,
     assert_all_gpus_grantable,
@@ -367,17 +367,7 @@ def test_concurrent_creates_from_processes_never_share(
     held_here = {uuid for sandbox in mine for uuid in uuids(sandbox)}
     total = len(driver.inventory()) - kept
     # Two more processes than free GPUs: enough to race and to lose.
-    holders = [
-        HeldSandbox.start(driver, settings, SandboxSpec.with_gpus()) for _ in range(total + 2)
-    ]
-    try:
-        for holder in holders:  # all imported and waiting: then all told at once
-            holder.wait_ready()
-        for holder in holders:
-            holder.send_go()
-        replies = [holder.result() for holder in holders]
-    finally:
-        close_all(holders)
+    replies = created_at_once(driver, settings, [SandboxSpec.with_gpus()] * (total + 2))
     granted = [reply["gpus"] for reply in replies if reply["ok"]]
     for reply in replies:
         if reply["ok"]:

@@ -19,7 +19,7 @@ import pytest
 
 from conformance.dimensions import declared
 from conformance.fixtures import Dropped, SandboxFactory
-from conformance.hold import HeldSandbox, close_all
+from conformance.hold import created_at_once
 from conformance.observe import create_side_by_side, exact_ids, specs_for_gpus
 from conformance.settings import Settings
 from drivers.base import Driver, Sandbox
@@ -185,15 +185,7 @@ def _race_threads(driver: Driver, race: Race) -> list[Outcome]:
 
 
 def _race_processes(driver: Driver, settings: Settings, race: Race) -> list[Outcome]:
-    holders = [HeldSandbox.start(driver, settings, spec) for spec in race.specs]
-    try:
-        for holder in holders:  # all imported and waiting: then all told at once
-            holder.wait_ready()
-        for holder in holders:
-            holder.send_go()
-        replies = [holder.result() for holder in holders]
-    finally:
-        close_all(holders)
+    replies = created_at_once(driver, settings, race.specs)
     return [
         ("won", list(reply["gpus"])) if reply["ok"] else (reply["error"], [reply["message"]])
         for reply in replies
