@@ -67,10 +67,29 @@ def _id(driver: Driver, index: int = 0, form: int = 0) -> str:
 OTHER_DRIVERS = requirements.load().drivers
 """Every driver with a profile, present or planned: a block for any of them is not ours."""
 A_DRIVER_OF_NO_PROFILE = "another-driver"
+A_PROGRAM = "bwrap"
+"""The name of a program a driver runs (the reference's jail), as a driver might once have
+been called: to the gateway, just another driver."""
+NEAR_NAMES: dict[str, Callable[[str], str]] = {
+    "its own name capitalised": str.capitalize,
+    "its own name in upper case": str.upper,
+    "its own name, versioned": lambda name: f"{name}-v2",
+    "its own name with white space": lambda name: f" {name}",
+}
+"""Names near the driver's own (``Reference``, ``REFERENCE``, ``reference-v2``): another
+driver's, since the gateway matches a block by the driver's name exactly."""
 EVERY_OTHER = "every other driver's at once"
-OTHER_BLOCKS = (*OTHER_DRIVERS, A_DRIVER_OF_NO_PROFILE, EVERY_OTHER)
+OTHER_BLOCKS = (*OTHER_DRIVERS, A_DRIVER_OF_NO_PROFILE, A_PROGRAM, *NEAR_NAMES, EVERY_OTHER)
 """Whose blocks a request holds, none of them the driver's own: each driver's alone (the
-driver under test's own name left out), one no profile names, all of them together."""
+driver under test's own name left out), one no profile names, a program's, each name near the
+driver's own, all of them together."""
+
+
+def block_name(whose: str, driver: str) -> str:
+    """The key of ``whose`` block (one of ``OTHER_BLOCKS``) in a request to ``driver``."""
+    near = NEAR_NAMES.get(whose)
+    return near(driver) if near is not None else whose
+
 
 KEYS_SOME_DRIVER_READS = ("cdi_devices", "runtime_class_name", "node_selector", "image")
 """Keys of a block that some built-in driver declares (``DriverCapabilities``): unknown to a
@@ -245,6 +264,29 @@ def _sharing(value: object) -> BadRequest:
     )
 
 
+SHARING_MODES = ("exclusive", "shared")
+SHARING_NEAR_MISSES = (
+    "capitalised",
+    "upper case",
+    "white space before",
+    "a line break after",
+    "a prefix",
+)
+"""How a sharing that is neither mode can look like one (``Shared``, ``EXCLUSIVE``, `` shared``,
+``exclusive\\n``, ``excl``): a driver that folds case, trims or takes a prefix serves it."""
+
+
+def sharing_near_miss(mode: str, how: str) -> str:
+    """``mode`` (one of ``SHARING_MODES``) as ``how`` (one of ``SHARING_NEAR_MISSES``) spells it."""
+    return {
+        SHARING_NEAR_MISSES[0]: mode.capitalize(),
+        SHARING_NEAR_MISSES[1]: mode.upper(),
+        SHARING_NEAR_MISSES[2]: f" {mode}",
+        SHARING_NEAR_MISSES[3]: f"{mode}\n",
+        SHARING_NEAR_MISSES[4]: mode[:4],
+    }[how]
+
+
 COUNT_ERRORS = {
     "zero": BadRequest(
         lambda d: {"resource_requirements": gpu_request(0)},
@@ -301,8 +343,13 @@ COUNT_ERRORS = {
         lambda d: "1000000",
         field=COUNT,
     ),
-    # A sharing that is neither mode is refused, never served as an exclusive GPU.
-    "sharing-capitalised": _sharing("Shared"),
+    # A sharing that is neither mode is refused, never served as an exclusive GPU, nor as
+    # the mode it looks like.
+    **{
+        f"sharing-{mode}-{how.replace(' ', '-')}": _sharing(sharing_near_miss(mode, how))
+        for how in SHARING_NEAR_MISSES
+        for mode in SHARING_MODES
+    },
     "sharing-misspelt": _sharing("exclusve"),
     "sharing-empty": _sharing(""),
     "sharing-boolean": _sharing(True),
@@ -322,9 +369,11 @@ def _past_the_last(driver: Driver) -> str:
 def unknown(device_id: str) -> BadRequest:
     """``device_id``, which names no device: refused with UnknownGpuDevice naming it.
 
-    A long one by its start: messages show values cut (``shown``).
+    As messages show values (``shown``): as ``repr`` writes it (a tab escaped), a long one by
+    its start.
     """
-    said = device_id if len(repr(device_id)) <= SHOWN_LIMIT else device_id[: SHOWN_LIMIT // 2]
+    written = repr(device_id)[1:-1]
+    said = written if len(written) + 2 <= SHOWN_LIMIT else written[: SHOWN_LIMIT // 2]
     return BadRequest(
         lambda d: _ids(d, [device_id]),
         UnknownGpuDevice,

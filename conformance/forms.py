@@ -7,7 +7,7 @@ another kind; a MIG profile matched by its slice alone) serves a device nobody n
 
 The forms and the transforms are enumerations the tests and the planted breakers share: the
 tests (conformance/test_validation.py) try every transform of every form each device has,
-and tests/breakers/validation.py generates, from the same tuples, one breaker per value.
+and tests/breakers/forms.py generates, from the same tuples, one breaker per value.
 """
 
 from __future__ import annotations
@@ -174,6 +174,92 @@ def _kind(kind: str) -> Spell:
     return spell
 
 
+INDEX_SPELLINGS = (
+    "a leading zero",
+    "a sign",
+    "white space before",
+    "a line break after",
+    "an underscore",
+    "other decimal digits",
+)
+"""How ``int()`` reads an index that is not its decimal written plainly (``03``, ``+3``, `` 3``,
+``3\\n``, ``0_3``, fullwidth digits): a driver that parses the index of an ID (a bare index, a
+CDI name's) with it takes each for the index."""
+_LAST_NUMBER = re.compile(r"^(?P<head>.*?)(?P<number>[0-9]+)$")
+_BY_INDEX = ("index", "CDI name by index", "MIG CDI name by index")
+
+
+def _index_spelled(how: str) -> Spell:
+    def spell(device_id: str, device: GpuDevice, known: Known) -> tuple[str, ...]:
+        match = _LAST_NUMBER.match(device_id)
+        if match is None or form_of(device, device_id) not in _BY_INDEX:
+            return ()
+        head, number = match["head"], match["number"]
+        spelled = {
+            INDEX_SPELLINGS[0]: (f"0{number}",),
+            INDEX_SPELLINGS[1]: (f"+{number}", *(("-0",) if number == "0" else ())),
+            INDEX_SPELLINGS[2]: (f" {number}", f"\t{number}"),
+            INDEX_SPELLINGS[3]: (f"{number}\n",),
+            INDEX_SPELLINGS[4]: (f"{number[0]}_{number[1:]}" if number[1:] else f"0_{number}",),
+            INDEX_SPELLINGS[5]: ("".join(chr(0xFF10 + int(digit)) for digit in number),),
+        }[how]
+        return tuple(head + number_spelled for number_spelled in spelled)
+
+    return spell
+
+
+PCI_FORMS = (
+    "NVML's: an 8-digit domain",
+    "lspci's: no domain",
+    "a domain of another width",
+    "white space around",
+)
+"""How else a PCI address can be written (``normalize_pci_bus_id`` reads each): as NVML and
+nvidia-smi write it (``00000000:C1:00.0``), as lspci does (``c1:00.0``), with a domain of 5 to 7
+digits, with white space around. Each in either letter case: no ID unless the driver lists
+it (``device_index``)."""
+
+
+def _pci_form(how: str) -> Spell:
+    def spell(device_id: str, device: GpuDevice, known: Known) -> tuple[str, ...]:
+        if not is_pci_address(device_id):
+            return ()
+        address = normalize_pci_bus_id(device_id)
+        domain, _, rest = address.partition(":")
+        spelled = {
+            PCI_FORMS[0]: (f"0000{domain}:{rest}",),
+            PCI_FORMS[1]: (rest,),
+            PCI_FORMS[2]: (f"0{domain}:{rest}", f"000{domain}:{rest}"),
+            PCI_FORMS[3]: (f" {address}", f"{address}\n"),
+        }[how]
+        return tuple(dict.fromkeys(pci_case(s, case) for s in spelled for case in PCI_CASES))
+
+    return spell
+
+
+UUID_SPELLINGS = ("bare: without its kind", "bare, without hyphens", "under the other kind")
+"""How else a UUID can be written: without its ``GPU-`` or ``MIG-`` (as NVML's bytes, DCGM and
+some tools print it), as hex digits alone, under the other kind (``MIG-`` for ``GPU-``). In a
+UUID, and in a CDI name by UUID."""
+_UUID = re.compile(r"(?P<kind>GPU|MIG)-(?P<hex>[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})", re.I)
+
+
+def _uuid_spelled(how: str) -> Spell:
+    def spell(device_id: str, device: GpuDevice, known: Known) -> tuple[str, ...]:
+        match = _UUID.search(device_id)
+        if match is None:
+            return ()
+        other = "MIG" if match["kind"] == "GPU" else "GPU"
+        respelled = {
+            UUID_SPELLINGS[0]: match["hex"],
+            UUID_SPELLINGS[1]: match["hex"].replace("-", ""),
+            UUID_SPELLINGS[2]: f"{other}-{match['hex']}",
+        }[how]
+        return (device_id[: match.start()] + respelled + device_id[match.end() :],)
+
+    return spell
+
+
 def _node_paths(device_id: str, device: GpuDevice, known: Known) -> tuple[str, ...]:
     return tuple(node.path for node in device.nodes)
 
@@ -198,6 +284,9 @@ TRANSFORMS: dict[str, Spell] = {
     "another letter case: lower": _case(upper=False),
     **{f"a prefix: {length}": _prefix(length) for length in PREFIX_LENGTHS},
     **{f"a CDI name of another kind: {kind}": _kind(kind) for kind in OTHER_KINDS},
+    **{f"an index as int() reads it: {how}": _index_spelled(how) for how in INDEX_SPELLINGS},
+    **{f"a PCI address in another form: {how}": _pci_form(how) for how in PCI_FORMS},
+    **{f"a UUID spelled otherwise: {how}": _uuid_spelled(how) for how in UUID_SPELLINGS},
     "the device node's path": _node_paths,
     "the device node's path on the host": _node_sources,
     "a name of the host's that the driver does not list": _unlisted,
@@ -220,26 +309,21 @@ def near_misses(driver: Driver, device: GpuDevice, transform: str) -> list[tuple
 
     As ``(spelling, form, what)``: the form of the ID it was made from, and the ID (for
     transforms of the device itself, ``OF_THE_DEVICE``: the spelling's form, the device). A
-    spelling that is an ID of the driver, or another form of a PCI address it takes (the vm
-    driver takes any), is left out.
+    spelling that is an ID of the driver (every form of a PCI address it takes, it lists:
+    ``device_index``) is left out.
     """
     index = driver.device_index()
     known = list(index)
     of_device = transform in OF_THE_DEVICE
     sources = [device.uuid] if of_device else [i for i in driver.device_ids(device) if i in index]
-    addresses = {normalize_pci_bus_id(i) for i in known if is_pci_address(i)}
     made: dict[str, tuple[str, str]] = {}
     for device_id in sources:
         for spelling in TRANSFORMS[transform](device_id, device, known):
-            if spelling in index or not spelling.strip() or _address_of(spelling) in addresses:
+            if spelling in index or not spelling.strip():
                 continue
             form = form_of(device, spelling if of_device else device_id)
             made.setdefault(spelling, (form, device.describe() if of_device else device_id))
     return [(spelling, form, source) for spelling, (form, source) in made.items()]
-
-
-def _address_of(spelling: str) -> str | None:
-    return normalize_pci_bus_id(spelling) if is_pci_address(spelling) else None
 
 
 def respellings(
@@ -267,10 +351,18 @@ PROFILE_TRANSFORMS = (
     "upper case",
     "all but the last character",
     "a variant's suffix",
+    "NVML's name",
+    "the k8s resource",
+    "the k8s resource's name",
+    "a product name's suffix",
+    "white space before",
 )
 """How a MIG profile the host lacks can look like one it has (``1g.20gb`` where it has
-``1g.10gb``, ``1g``, ``1G.10GB``, ``1g.10gb+me``): each must be refused, not served by a
-driver that matches the slice alone, a prefix, or folds case."""
+``1g.10gb``, ``1g``, ``1G.10GB``, ``1g.10gb+me``), or spell it as another tool does (NVML's
+and nvidia-smi's ``MIG 1g.10gb``, the k8s resource ``nvidia.com/mig-1g.10gb`` and its name
+``mig-1g.10gb``, a product name's ``MIG-1g.10gb``, `` 1g.10gb``): each must be refused, not
+served by a driver that matches the slice alone, a prefix, folds case or reads the others'
+spellings."""
 _PROFILE = re.compile(r"(?P<slices>\d+)g\.(?P<memory>\d+)gb(?P<rest>.*)")
 
 
@@ -288,5 +380,10 @@ def profile_near_miss(profile: str, have: Collection[str], transform: str) -> st
         "upper case": (profile.upper(),),
         "all but the last character": (profile[:-1],),
         "a variant's suffix": (f"{profile}+me",),
+        "NVML's name": (f"MIG {profile}",),
+        "the k8s resource": (f"nvidia.com/mig-{profile}",),
+        "the k8s resource's name": (f"mig-{profile}",),
+        "a product name's suffix": (f"MIG-{profile}",),
+        "white space before": (f" {profile}",),
     }[transform]
     return next((spelled for spelled in candidates if spelled not in have), None)

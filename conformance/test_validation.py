@@ -20,7 +20,10 @@ from conformance.bad_requests import (
     ID_ERRORS,
     IDS_PREFIX,
     OTHER_BLOCKS,
+    SHARING_MODES,
+    SHARING_NEAR_MISSES,
     BadRequest,
+    block_name,
     envelope,
     gpu_request,
     unknown,
@@ -30,10 +33,13 @@ from conformance.fixtures import Dropped, SandboxFactory
 from conformance.forms import (
     DEVICES,
     FORMS,
+    INDEX_SPELLINGS,
     OF_THE_DEVICE,
     PCI_CASES,
+    PCI_FORMS,
     PROFILE_TRANSFORMS,
     TRANSFORMS,
+    UUID_SPELLINGS,
     is_pci_address,
     near_misses,
     pci_case,
@@ -61,10 +67,18 @@ DIMENSIONS = {
         other_blocks_hold=ENVELOPES,
         then=("every GPU grantable",),
     ),
-    "GPU-VALIDATE-02": declared(bad_count=tuple(COUNT_ERRORS), then=("every GPU grantable",)),
+    "GPU-VALIDATE-02": declared(
+        bad_count=tuple(COUNT_ERRORS),
+        sharing_near_miss=SHARING_NEAR_MISSES,
+        sharing_mode=SHARING_MODES,
+        then=("every GPU grantable",),
+    ),
     "GPU-VALIDATE-03": declared(
         bad_ids=tuple(ID_ERRORS),
         near_miss=tuple(TRANSFORMS),
+        index_as_int_reads_it=INDEX_SPELLINGS,
+        pci_address_as=PCI_FORMS,
+        uuid_spelled=UUID_SPELLINGS,
         form=FORMS,
         device=DEVICES,
         pci_address_case=PCI_CASES,
@@ -175,7 +189,8 @@ def test_other_drivers_blocks_are_never_read(
     others = [name for name in OTHER_BLOCKS if name not in (driver.name, EVERY_OTHER)]
 
     def config(whose: str, block: dict[str, Any]) -> dict[str, Any]:
-        return {name: block for name in (others if whose == EVERY_OTHER else [whose])}
+        names = others if whose == EVERY_OTHER else [whose]
+        return {block_name(name, driver.name): block for name in names}
 
     # Each other driver's block alone, with no count: the one a reading driver sizes from.
     tries = [(whose, COUNTS[0], ENVELOPES[1]) for whose in others]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conformance.bad_requests import EVERY_OTHER, OTHER_BLOCKS
+from conformance.bad_requests import EVERY_OTHER, OTHER_BLOCKS, block_name
 from conformance.dimensions import declared
 from conformance.fixtures import SandboxFactory
 from conformance.observe import (
@@ -125,7 +125,7 @@ def _no_gpu_request(driver: Driver, what: str) -> SandboxSpec | None:
     else:
         ids = [i for gpu in driver.inventory()[:2] for i in driver.device_ids(gpu)[:1]]
         whose = [name for name in OTHER_BLOCKS if name not in (driver.name, EVERY_OTHER)]
-        others = {name: {DEVICE_IDS_KEY: ids} for name in whose}
+        others = {block_name(name, driver.name): {DEVICE_IDS_KEY: ids} for name in whose}
         return parse_spec({"template": {"driver_config": others}})
     return parse_spec({"template": {"driver_config": {driver.name: block}}})
 

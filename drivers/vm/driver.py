@@ -70,6 +70,17 @@ VERSION_TIMEOUT_S = 10.0
 _INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
+def pci_forms(address: str) -> tuple[str, ...]:
+    """The spellings of a PCI address the vm driver takes, each in either letter case.
+
+    The kernel's (``0000:2a:00.0``), NVML's and nvidia-smi's (``00000000:2A:00.0``), lspci's
+    (``2a:00.0``); no other domain width, no white space, no mixed case.
+    """
+    domain, _, rest = address.partition(":")
+    written = (address, f"0000{domain}:{rest}", rest)
+    return tuple(dict.fromkeys(form for w in written for form in (w.lower(), w.upper())))
+
+
 class VmDriver(Driver):
     name = "vm"
 
@@ -88,7 +99,10 @@ class VmDriver(Driver):
         return DriverCapabilities(
             max_gpus_per_sandbox=1,
             exact_ids=True,
-            exact_id_forms="a PCI address (0000:2a:00.0) or a host index",
+            exact_id_forms=(
+                "a PCI address (0000:2a:00.0, or as NVML or lspci write it: 00000000:2A:00.0, "
+                "2a:00.0) or a host index"
+            ),
             exclusive=True,
             shared=False,
             mig_profiles=False,
@@ -111,6 +125,13 @@ class VmDriver(Driver):
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         return (gpu.pci_bus_id, str(gpu.index))
 
+    def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
+        """Its IDs, and each GPU's PCI address in every form it takes (``pci_forms``)."""
+        index = super().device_index()
+        for gpu in self.exact_devices():
+            index.update(dict.fromkeys(pci_forms(gpu.pci_bus_id), (gpu,)))
+        return index
+
     def plan(self, request: DriverRequest) -> GpuPlan | None:
         try:
             return super().plan(request)
@@ -126,7 +147,7 @@ class VmDriver(Driver):
             raise
 
     def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """A PCI address in any form, or a host index; one GPU (the plan allows no more).
+        """A PCI address in a form it lists (``pci_forms``), or a host index; one GPU.
 
         Written exactly: no white space around it, an index in ASCII digits without leading
         zeros, as the other drivers take their IDs.
@@ -138,9 +159,9 @@ class VmDriver(Driver):
                 chosen.append(self._by_index(plan.field, device_id, inventory))
                 continue
             try:
-                if device_id != device_id.strip():
-                    raise ValueError(device_id)
                 bus = normalize_pci_bus_id(device_id)
+                if device_id not in pci_forms(bus):
+                    raise ValueError(device_id)
             except ValueError:
                 raise UnknownGpuDevice(
                     plan.field,

@@ -20,6 +20,7 @@ from tests.breakers import (
     execution,
     exhaustion,
     filesystem,
+    forms,
     hostwide,
     lifecycle,
     mig,
@@ -34,8 +35,8 @@ from tests.breakers import (
 from tests.breakers.base import BrokenDriver
 
 AREAS: tuple[ModuleType, ...] = (
-    visibility, selection, validation, exhaustion, hostwide, lifecycle, execution, environment,
-    filesystem, namespaces, peers, privileges, sharing, mig, dri,
+    visibility, selection, validation, forms, exhaustion, hostwide, lifecycle, execution,
+    environment, filesystem, namespaces, peers, privileges, sharing, mig, dri,
 )  # fmt: skip
 """The reference driver's breakers, a module per area, in the catalogue's order."""
 

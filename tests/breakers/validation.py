@@ -2,10 +2,9 @@
 
 A bad request fails with a typed error naming the field and the value, taking nothing.
 Their tests: conformance/test_validation.py. Those generated (``family``) are one per value of
-the dimensions the tests try: whose block a request holds (GPU-VALIDATE-01), each near miss
-of an ID, each form whose prefix or letter case a driver could take, each letter case of a
-PCI address (GPU-VALIDATE-03, conformance/forms.py), each near miss of a MIG profile
-(MIG-PROFILE-01, which conformance/test_validation.py tries).
+the dimensions the tests try: whose block a request holds (GPU-VALIDATE-01: each other
+driver's, a program's, each name near the driver's own), each near miss of a sharing
+(GPU-VALIDATE-02). The near misses of names (GPU-VALIDATE-03, MIG-PROFILE-01): forms.py.
 """
 
 from __future__ import annotations
@@ -13,21 +12,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import uuid
-from collections.abc import Callable
 
-from conformance.bad_requests import EVERY_OTHER, OTHER_BLOCKS
-from conformance.forms import (
-    CASE_FORMS,
-    PCI_CASES,
-    PREFIX_FORMS,
-    PROFILE_TRANSFORMS,
-    TRANSFORMS,
-    form_of,
-    is_pci_address,
-    pci_case,
-    profile_near_miss,
-    respellings,
+from conformance.bad_requests import (
+    EVERY_OTHER,
+    OTHER_BLOCKS,
+    SHARING_MODES,
+    SHARING_NEAR_MISSES,
+    block_name,
+    sharing_near_miss,
 )
 from drivers.base import Sandbox
 from gpuhost.devices import GpuDevice
@@ -49,10 +43,6 @@ from gpuhost.spec import (
 )
 from tests.breakers.base import BrokenDriver, class_name, family
 
-Index = dict[str, tuple[GpuDevice, ...]]
-TakenFor = Callable[[str, Index], str | None]
-"""The ID a spelling the driver does not list is taken for, if any."""
-
 
 class LaxDriverConfig(BrokenDriver):
     """GPU-VALIDATE-01: a malformed driver_config is ignored instead of rejected."""
@@ -64,18 +54,6 @@ class LaxDriverConfig(BrokenDriver):
             return super().plan(request)
         except InvalidDriverConfig:
             return super().plan(dataclasses.replace(request, config={}))
-
-
-class ReadsDockerBlock(BrokenDriver):
-    """GPU-VALIDATE-01: without a block of its own, it takes the docker driver's as its own."""
-
-    BREAKS = "GPU-VALIDATE-01"
-
-    def create(self, spec: SandboxSpec) -> Sandbox:
-        config = dict(spec.driver_config)
-        if self.name not in config and "docker" in config:
-            config[self.name] = config.pop("docker")
-        return super().create(dataclasses.replace(spec, driver_config=config))
 
 
 class UnknownVendorMeansDefault(BrokenDriver):
@@ -313,7 +291,7 @@ def _sizes_the_default_from(whose: str) -> type[BrokenDriver]:
         BREAKS = "GPU-VALIDATE-01"
 
         def create(self, spec: SandboxSpec) -> Sandbox:
-            ids = spec.driver_config.get(whose, {}).get(DEVICE_IDS_KEY)
+            ids = spec.driver_config.get(block_name(whose, self.name), {}).get(DEVICE_IDS_KEY)
             gpu = spec.gpu
             unsized = gpu is not None and gpu.count is None
             if unsized and self.name not in spec.driver_config and isinstance(ids, tuple | list):
@@ -322,16 +300,61 @@ def _sizes_the_default_from(whose: str) -> type[BrokenDriver]:
             return super().create(spec)
 
     SizesTheDefault.__name__ = SizesTheDefault.__qualname__ = (
-        f"SizesTheDefaultFromBlockOf{class_name(whose)}"
+        f"SizesTheDefaultFromBlockOf{_part(whose)}"
     )
     return SizesTheDefault
 
 
-family(
-    globals(),
-    [b for b in OTHER_BLOCKS if b not in ("reference", EVERY_OTHER)],
-    _sizes_the_default_from,
-)
+def _part(value: str) -> str:
+    """``value`` as part of a class name, what is not a word or a number left out."""
+    return class_name(re.sub(r"'s\b|[^A-Za-z0-9 .=_-]", " ", value))
+
+
+def _reads_the_block_of(whose: str) -> type[BrokenDriver]:
+    class ReadsTheBlock(BrokenDriver):
+        __doc__ = f"GPU-VALIDATE-01: without a block of its own, it takes {whose}'s as its own."
+        BREAKS = "GPU-VALIDATE-01"
+
+        def create(self, spec: SandboxSpec) -> Sandbox:
+            config = dict(spec.driver_config)
+            other = block_name(whose, self.name)
+            if self.name not in config and other in config:
+                config[self.name] = config.pop(other)
+            return super().create(dataclasses.replace(spec, driver_config=config))
+
+    ReadsTheBlock.__name__ = ReadsTheBlock.__qualname__ = f"ReadsTheBlockOf{_part(whose)}"
+    return ReadsTheBlock
+
+
+OTHERS_ALONE = [b for b in OTHER_BLOCKS if b not in ("reference", EVERY_OTHER)]
+"""Whose blocks the reference is handed, one at a time: none of them its own."""
+family(globals(), OTHERS_ALONE, _sizes_the_default_from)
+family(globals(), OTHERS_ALONE, _reads_the_block_of)
+
+
+def _takes_a_sharing_that_is(how: str) -> type[BrokenDriver]:
+    class TakesASharing(BrokenDriver):
+        __doc__ = (
+            f"GPU-VALIDATE-02: a sharing that is a mode {how} ({sharing_near_miss(SHARED, how)!r})"
+            f" is served as that mode."
+        )
+        BREAKS = "GPU-VALIDATE-02"
+
+        def plan(self, request: DriverRequest) -> GpuPlan | None:
+            gpu = request.gpu
+            mode = next(
+                (m for m in SHARING_MODES if gpu and sharing_near_miss(m, how) == gpu.sharing),
+                None,
+            )
+            if gpu is not None and mode is not None:
+                request = dataclasses.replace(request, gpu=dataclasses.replace(gpu, sharing=mode))
+            return super().plan(request)
+
+    TakesASharing.__name__ = TakesASharing.__qualname__ = f"TakesASharingThatIs{_part(how)}"
+    return TakesASharing
+
+
+family(globals(), SHARING_NEAR_MISSES, _takes_a_sharing_that_is)
 
 
 class TakesTheOnlyBlock(BrokenDriver):
@@ -344,117 +367,3 @@ class TakesTheOnlyBlock(BrokenDriver):
             only = next(iter(spec.driver_config.values()))
             spec = dataclasses.replace(spec, driver_config={self.name: only})
         return super().create(spec)
-
-
-def _respelling(breaks: str, doc: str, name: str, taken_for: TakenFor) -> type[BrokenDriver]:
-    """A breaker that resolves an ID it does not list to the one ``taken_for`` takes it for."""
-
-    class Respelling(BrokenDriver):
-        __doc__ = f"{breaks}: {doc}"
-        BREAKS = breaks
-
-        def resolve(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-            index = self.device_index()
-            ids = tuple(i if i in index else (taken_for(i, index) or i) for i in plan.device_ids)
-            return super().resolve(dataclasses.replace(plan, device_ids=ids))
-
-    Respelling.__name__ = Respelling.__qualname__ = name
-    return Respelling
-
-
-def _takes(transform: str) -> type[BrokenDriver]:
-    def taken_for(device_id: str, index: Index) -> str | None:
-        spelled = respellings(index, lambda known: index[known][0], TRANSFORMS[transform])
-        return spelled.get(device_id)
-
-    name = class_name(transform.replace(":", " ").replace("/", " ").replace("'s", ""))
-    return _respelling(
-        "GPU-VALIDATE-03",
-        f"takes a spelling of an ID ({transform}) for the ID itself.",
-        f"Takes{name}",
-        taken_for,
-    )
-
-
-def _takes_a_unique_prefix_of(form: str) -> type[BrokenDriver]:
-    def taken_for(device_id: str, index: Index) -> str | None:
-        found = [k for k in index if k.startswith(device_id) and form_of(index[k][0], k) == form]
-        return found[0] if len(found) == 1 and device_id else None
-
-    return _respelling(
-        "GPU-VALIDATE-03",
-        f"takes a prefix only one {form} has for that {form}, as CUDA_VISIBLE_DEVICES does.",
-        f"TakesAUniquePrefixOf{class_name(form)}",
-        taken_for,
-    )
-
-
-def _folds_the_case_of(form: str) -> type[BrokenDriver]:
-    def taken_for(device_id: str, index: Index) -> str | None:
-        folded = device_id.lower()
-        found = [k for k in index if k.lower() == folded and form_of(index[k][0], k) == form]
-        return found[0] if found else None
-
-    return _respelling(
-        "GPU-VALIDATE-03",
-        f"matches a {form} in any letter case.",
-        f"FoldsTheCaseOf{class_name(form)}",
-        taken_for,
-    )
-
-
-family(globals(), TRANSFORMS, _takes)
-family(globals(), PREFIX_FORMS, _takes_a_unique_prefix_of)
-family(globals(), [form for form in CASE_FORMS if form != "DRI node"], _folds_the_case_of)
-
-
-def _refuses_a_pci_address_in(case: str) -> type[BrokenDriver]:
-    class RefusesAPciAddress(BrokenDriver):
-        __doc__ = f"GPU-VALIDATE-03: a PCI address it lists is an ID only as listed: not in {case}."
-        BREAKS = "GPU-VALIDATE-03"
-
-        def device_index(self) -> Index:
-            return {
-                device_id: gpus
-                for device_id, gpus in super().device_index().items()
-                if not is_pci_address(device_id)
-                or device_id.lower() == device_id.upper()
-                or device_id != pci_case(device_id, case)
-            }
-
-    RefusesAPciAddress.__name__ = RefusesAPciAddress.__qualname__ = (
-        f"RefusesAPciAddressIn{class_name(case)}"
-    )
-    return RefusesAPciAddress
-
-
-family(globals(), PCI_CASES, _refuses_a_pci_address_in)
-
-
-def _takes_a_profile_as(transform: str) -> type[BrokenDriver]:
-    class TakesAProfile(BrokenDriver):
-        __doc__ = (
-            f"MIG-PROFILE-01: a MIG profile the host lacks is served as the host's profile it "
-            f"is {transform} of."
-        )
-        BREAKS = "MIG-PROFILE-01"
-
-        def plan(self, request: DriverRequest) -> GpuPlan | None:
-            asked = request.config.get(MIG_PROFILE_KEY)
-            have = sorted({mig.profile for mig in self.host.mig_devices})
-            if isinstance(asked, str) and asked not in have:
-                mine = next(
-                    (p for p in have if profile_near_miss(p, have, transform) == asked), None
-                )
-                if mine is not None:
-                    config = {**request.config, MIG_PROFILE_KEY: mine}
-                    request = dataclasses.replace(request, config=config)
-            return super().plan(request)
-
-    TakesAProfile.__name__ = TakesAProfile.__qualname__ = "TakesAProfileThatIs" + class_name(
-        transform.replace("'s", "")
-    )
-    return TakesAProfile
-
-
-family(globals(), PROFILE_TRANSFORMS, _takes_a_profile_as)

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from conformance import forms
+from conformance import bad_requests, forms
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from gpuhost import simulated
-from gpuhost.devices import pci_spellings
+from gpuhost.devices import normalize_pci_bus_id, pci_spellings
 from gpuhost.host import GpuHost, HostConfig
 from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT
 
@@ -100,3 +100,66 @@ def test_the_host_layer_spells_a_pci_address_both_ways_and_nothing_else() -> Non
     assert pci_spellings("0000:00:02.0") == ("0000:00:02.0",)
     assert pci_spellings("GPU-abc") == ("GPU-abc",)
     assert pci_spellings("0000:c3:00.0\n") == ("0000:c3:00.0\n",)
+
+
+def _made(reference: Driver, kind: str, transform: str) -> set[str]:
+    device = forms.representatives(reference)[kind]
+    return {spelling for spelling, _, _ in forms.near_misses(reference, device, transform)}
+
+
+def test_an_index_in_every_spelling_int_reads(reference: Driver) -> None:
+    gpu = forms.representatives(reference)[forms.DEVICES[0]]
+    n, cdi = str(gpu.index), gpu.cdi_names[0]
+    made = set().union(
+        *(_made(reference, forms.DEVICES[0], f"an index as int() reads it: {how}")
+          for how in forms.INDEX_SPELLINGS)
+    )  # fmt: skip
+    expected = {f"0{n}", f"+{n}", f" {n}", f"\t{n}", f"{n}\n", f"0_{n}", chr(0xFF10 + int(n))}
+    assert expected <= made
+    assert all(int(spelling) == gpu.index for spelling in expected)
+    assert f"{cdi[: -len(n)]}0{n}" in made  # a CDI name's index too
+
+
+def test_a_pci_address_in_every_other_form(reference: Driver) -> None:
+    made = set().union(
+        *(_made(reference, forms.DEVICES[2], f"a PCI address in another form: {how}")
+          for how in forms.PCI_FORMS)
+    )  # fmt: skip
+    for spelled in ("00000000:c3:00.0", "00000000:C3:00.0", "c3:00.0", "C3:00.0"):
+        assert spelled in made
+    assert {normalize_pci_bus_id(spelling) for spelling in made} == {"0000:c3:00.0"}
+
+
+def test_a_uuid_spelled_otherwise(reference: Driver) -> None:
+    gpu = forms.representatives(reference)[forms.DEVICES[0]]
+    bare = gpu.uuid.removeprefix("GPU-")
+    spelled = [f"a UUID spelled otherwise: {how}" for how in forms.UUID_SPELLINGS]
+    made = [_made(reference, forms.DEVICES[0], transform) for transform in spelled]
+    assert {bare, f"{gpu.cdi_kind}={bare}"} <= made[0]
+    assert bare.replace("-", "") in made[1]
+    assert f"MIG-{bare}" in made[2]
+
+
+def test_a_profile_as_other_tools_spell_it() -> None:
+    have = ["1g.10gb"]
+    spelled = {t: forms.profile_near_miss("1g.10gb", have, t) for t in forms.PROFILE_TRANSFORMS}
+    assert spelled["NVML's name"] == "MIG 1g.10gb"
+    assert spelled["the k8s resource"] == "nvidia.com/mig-1g.10gb"
+    assert spelled["the k8s resource's name"] == "mig-1g.10gb"
+    assert spelled["white space before"] == " 1g.10gb"
+
+
+def test_a_sharing_near_miss_is_neither_mode() -> None:
+    spelled = {
+        bad_requests.sharing_near_miss(mode, how)
+        for mode in bad_requests.SHARING_MODES
+        for how in bad_requests.SHARING_NEAR_MISSES
+    }
+    assert {" shared", "exclusive\n", "EXCLUSIVE", "Shared", "excl"} <= spelled
+    assert not spelled & set(bad_requests.SHARING_MODES)
+
+
+def test_names_near_the_drivers_own_are_never_its_own() -> None:
+    names = {bad_requests.block_name(whose, "reference") for whose in bad_requests.NEAR_NAMES}
+    assert names == {"Reference", "REFERENCE", "reference-v2", " reference"}
+    assert bad_requests.block_name("docker", "reference") == "docker"

@@ -129,6 +129,8 @@ def test_more_than_one_gpu_is_refused_before_anything_is_taken(vm_driver: VmDriv
         ("٣", "invalid PCI BDF address: '٣'"),
         (" 0000:2a:00.0", "invalid PCI BDF address: ' 0000:2a:00.0'"),
         ("0000:2a:00.0\t", "invalid PCI BDF address: '0000:2a:00.0\\t'"),
+        ("00000:2a:00.0", "invalid PCI BDF address: '00000:2a:00.0'"),
+        ("0000000:2A:00.0", "invalid PCI BDF address: '0000000:2A:00.0'"),
         pytest.param("9" * 5000, "GPU index '99999", id="5000-nines"),
     ],
 )
@@ -139,6 +141,16 @@ def test_bad_exact_ids_name_the_value(vm_driver: VmDriver, device_id: str, messa
     assert refused.value.value == device_id
     assert message in str(refused.value)
     _nothing_taken(vm_driver)
+
+
+def test_it_lists_every_form_of_a_pci_address_it_takes(vm_host: GpuHost) -> None:
+    """The kernel's, NVML's and lspci's, in either letter case: IDs (GPU-VALIDATE-03)."""
+    gpu = VmDriver(vm_host, "forms").inventory()[0]
+    domain, _, rest = gpu.pci_bus_id.partition(":")
+    index = VmDriver(vm_host, "forms").device_index()
+    for form in (gpu.pci_bus_id, f"0000{domain}:{rest}", rest):
+        assert index[form] == index[form.upper()] == (gpu,), form
+    assert f"0{gpu.pci_bus_id}" not in index
 
 
 def test_a_gpu_in_mig_mode_is_not_offered(vm_driver: VmDriver, vm_host: GpuHost) -> None:

@@ -370,16 +370,16 @@ func orNone(list []string) string {
 	return strings.Join(list, ", ")
 }
 
-// lookup: the device an exact ID names; a PCI address in either letter case or domain width.
+// lookup: the device an exact ID names, one of its IDs as listed; a PCI address in either
+// letter case (the kernel's 0000:c3:00.0, NVML's 0000:C3:00.0), no other form of it.
 func (s *Server) lookup(id string) *Device {
-	pci := normalizePCI(id)
 	for _, d := range s.host.Devices() {
 		for _, own := range d.IDs() {
 			if own == id {
 				return d
 			}
 		}
-		if pci != "" && !d.IsMIG() && d.PCI == pci {
+		if !d.IsMIG() && d.PCI != "" && id == strings.ToUpper(d.PCI) {
 			return d
 		}
 	}
