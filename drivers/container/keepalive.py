@@ -171,7 +171,15 @@ class Keepalive:
                         st = os.stat(link)
                         if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
                             return True
-                        if os.readlink(link) == KEEPALIVE_PATH:
+                        # The shell moves its descriptors as it opens the FIFO: a number may
+                        # name another file between the stat and the readlink. Refused only
+                        # where the same file stood there before and after.
+                        named = os.readlink(link)
+                        again = os.stat(link)
+                        if named == KEEPALIVE_PATH and (again.st_dev, again.st_ino) == (
+                            st.st_dev,
+                            st.st_ino,
+                        ):
                             raise SandboxStartError(
                                 f"the container's {KEEPALIVE_PATH} is not the keepalive FIFO "
                                 f"{self.path} this process made: refusing the container"
