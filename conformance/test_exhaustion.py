@@ -13,7 +13,7 @@ import pytest
 from conformance.bad_requests import COUNT, EXHAUSTED_FIELDS
 from conformance.bounds import unpaced
 from conformance.dimensions import declared
-from conformance.fixtures import Dropped, SandboxFactory, exhaustion_grace
+from conformance.fixtures import Dropped, SandboxFactory, exhaustion_grace, not_applicable
 from conformance.hold import created_at_once
 from conformance.observe import (
     SIDE_BY_SIDE,
@@ -159,10 +159,12 @@ DIMENSIONS = {
 }
 
 
-def _co_held(driver: Driver, sandboxes: SandboxFactory) -> float:
+def _co_held(driver: Driver, sandboxes: SandboxFactory, request: pytest.FixtureRequest) -> float:
     """A GPU of the default pool held by two shared sandboxes; what the first create took."""
-    if not driver.capabilities.shared or driver.host.share_limit < 2:
-        pytest.skip(f"{driver.name} shares no GPU between two sandboxes")
+    if not driver.capabilities.shared:  # declared: no GPU of its is ever co-held
+        not_applicable(request.node, f"{driver.name} shares no GPU (capabilities.shared)")
+    if driver.host.share_limit < 2:
+        pytest.skip(f"the host's share limit is {driver.host.share_limit}: no GPU is co-held")
     start = time.monotonic()
     first = sandboxes(SandboxSpec.with_gpus(sharing=SHARED))
     took = time.monotonic() - start
@@ -177,11 +179,15 @@ def _co_held(driver: Driver, sandboxes: SandboxFactory) -> float:
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-EXHAUST-01")
 def test_a_gpu_co_held_by_sharers_counts_once(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped
+    driver: Driver,
+    sandboxes: SandboxFactory,
+    settings: Settings,
+    dropped: Dropped,
+    request: pytest.FixtureRequest,
 ) -> None:
     """GpusExhausted MUST count a GPU two sharers hold as one GPU not free, each field by value."""
     total = len(driver.inventory())
-    took = _co_held(driver, sandboxes)
+    took = _co_held(driver, sandboxes, request)
     if driver.capabilities.max_gpus_per_sandbox < total:
         dropped(f"{CO_HELD}, a count of every GPU", f"{driver.name} gives fewer to a sandbox")
         return
@@ -192,11 +198,11 @@ def test_a_gpu_co_held_by_sharers_counts_once(
 @pytest.mark.exclusive
 @pytest.mark.requirement("GPU-EXHAUST-02")
 def test_more_than_exist_counts_a_co_held_gpu_once(
-    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped
+    driver: Driver, sandboxes: SandboxFactory, dropped: Dropped, request: pytest.FixtureRequest
 ) -> None:
     """A refusal of more GPUs than exist MUST count a GPU two sharers co-hold once, by value."""
     total = len(driver.inventory())
-    _co_held(driver, sandboxes)
+    _co_held(driver, sandboxes, request)
     leases = driver.host.leases.leases()
     try:
         made = sandboxes(SandboxSpec.with_gpus(total + 1))

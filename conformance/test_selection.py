@@ -9,7 +9,7 @@ import pytest
 
 from conformance import requirements
 from conformance.dimensions import declared
-from conformance.fixtures import Dropped, SandboxFactory
+from conformance.fixtures import Dropped, SandboxFactory, not_applicable
 from conformance.forms import EXACT_FORMS, PCI_CASES, is_pci_address, pci_case
 from conformance.hold import HeldSandbox
 from conformance.observe import (
@@ -261,11 +261,16 @@ def test_exact_id_held_by_another_sandbox_is_busy(
 @pytest.mark.requirement("GPU-BUSY-01")
 @pytest.mark.parametrize("held_by", SHARED_HOLDERS)
 def test_exact_id_held_shared_is_busy_to_an_exclusive_request(
-    driver: Driver, sandboxes: SandboxFactory, settings: Settings, dropped: Dropped, held_by: str
+    driver: Driver,
+    sandboxes: SandboxFactory,
+    settings: Settings,
+    dropped: Dropped,
+    held_by: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """An exclusive request naming a device held shared MUST fail with GpuBusy, in every form."""
-    if not driver.capabilities.exact_ids or not driver.capabilities.shared:
-        pytest.skip(f"{driver.name} takes no exact IDs or shares no GPU")
+    if not driver.capabilities.exact_ids or not driver.capabilities.shared:  # declared
+        not_applicable(request.node, f"{driver.name} takes no exact IDs or shares no GPU")
     with sandboxes(SandboxSpec.with_gpus(sharing=SHARED)) as probe:
         target = probe.gpus[0]  # a GPU the driver shares
     ids = driver.device_ids(target)

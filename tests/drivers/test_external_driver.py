@@ -34,9 +34,10 @@ from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalo
 
 PODMAN_CLI = ROOT / "examples" / "drivers" / "podman-cli.yaml"
 EXAMPLE_JSONL = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
-PODMAN_CLI_FAILS = {"GPU-RECLAIM-02", "GPU-SHARED-02"}
+PODMAN_CLI_FAILS = {"GPU-RECLAIM-01", "GPU-RECLAIM-02", "GPU-SHARED-01", "GPU-SHARED-02"}
 """What the podman CLI fails with the adapter leasing its GPUs (docs/external-drivers.md):
-a `podman run -d` container outlives the process that created it, with its GPUs."""
+a `podman run -d` container outlives the process that created it, with its GPUs (and a
+container whose conmon was killed stays "running" in podman's records, with its GPUs)."""
 PODMAN_CLI_PARTIAL = {"SANDBOX-PEER-01"}
 """What it passes with a case not tried: the kernel keyring's needs python3 in the sandbox,
 which its busybox image lacks (conformance/test_peers.py)."""

@@ -54,6 +54,7 @@ from tests.breakers import pods
 from tests.catalogue import (
     assert_fails_its_requirement,
     golden_ids,
+    partial_by_what_it_dropped,
     run_catalogue,
     without_the_busybox_key_case,
 )
@@ -481,11 +482,14 @@ def test_catalogue_passes_the_kubernetes_driver(pytester: pytest.Pytester, tmp_p
     """Every requirement of the kubernetes profile passes on the cluster; the rest is N/A."""
     result, run = run_catalogue(pytester, tmp_path, "kubernetes", 2, full=False)
     verdicts = without_the_busybox_key_case(result, "kubernetes")
+    # A pod's containerd-shim runs its other containers too: no host process above its init
+    # runs it alone, so that way of ending it is left out, named.
+    partial_by_what_it_dropped(verdicts, result, "GPU-RECLAIM-01")
     profile = requirements.load().profile("kubernetes")
     outcome = {"not applicable": "not applicable"}
     expected = {
         req: outcome.get(profile[req], "passed")
-        for req in golden_ids() - {"SANDBOX-PEER-01"}
+        for req in golden_ids() - {"SANDBOX-PEER-01", "GPU-RECLAIM-01"}
         if not req.startswith("WORKLOAD-")
     }
     assert {req: verdicts.get(req) for req in expected} == expected

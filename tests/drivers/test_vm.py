@@ -35,6 +35,7 @@ from tests.breakers import vms
 from tests.catalogue import (
     assert_fails_its_requirement,
     golden_ids,
+    partial_by_what_it_dropped,
     run_catalogue,
     without_the_busybox_key_case,
 )
@@ -66,10 +67,12 @@ def test_catalogue_passes_the_vm_driver(pytester: pytest.Pytester, tmp_path: Pat
     """Every requirement of the vm profile passes on QEMU; the rest is not applicable."""
     result, run = run_catalogue(pytester, tmp_path, "vm", 8, RECLAIM_TIMEOUT)
     verdicts = without_the_busybox_key_case(result, "vm")
+    # A VM runs on a kernel of its own: the host sees none of its processes to kill.
+    partial_by_what_it_dropped(verdicts, result, "GPU-RECLAIM-01")
     profile = requirements.load().profile("vm")
     expected = {
         req: "not applicable" if profile[req] == "not applicable" else "passed"
-        for req in golden_ids() - {"SANDBOX-PEER-01"}
+        for req in golden_ids() - {"SANDBOX-PEER-01", "GPU-RECLAIM-01"}
     }
     assert {req: verdicts.get(req) for req in expected} == expected
     assert (
