@@ -24,6 +24,8 @@ EXEC_PORT, CONTROL_PORT = "gpu-sandbox.exec", "gpu-sandbox.ctl"
 """The names of the agent's two virtio-serial ports, as the guest finds them."""
 AGENT_KILL_TIMEOUT_S = 20.0
 """How long the guest agent may take to kill a timed-out command and answer, under TCG."""
+KILL_AGAIN_S = 1.0
+"""How long the command's answer may take to come after a kill before it is said again."""
 TRANSFER_TIMEOUT_S = 120.0
 """For a command's output to cross the virtio-serial port once it has ended (MB/s)."""
 
@@ -124,10 +126,7 @@ class GuestAgent:
                 header = self.exec_port.read_line(time.monotonic() + command.timeout, alive)
                 timed_out = False
             except TimeoutError:
-                # The agent kills every process carrying the marker, setsid or not;
-                # the command then ends and its answer comes.
-                self.control_port.send(f"kill {command.marker}\n".encode())
-                header = self.exec_port.read_line(time.monotonic() + AGENT_KILL_TIMEOUT_S, alive)
+                header = self._kill(command, alive)
                 timed_out = True
             verb, answered, returncode, out, err = header.decode().split()
             if (verb, answered) != ("done", str(request)):
@@ -136,6 +135,28 @@ class GuestAgent:
             self.exec_port.pass_on(int(out), output.stdout, deadline, alive)
             self.exec_port.pass_on(int(err), output.stderr, deadline, alive)
         return int(returncode), timed_out
+
+    def _kill(self, command: Command, alive: Callable[[], bool]) -> bytes:
+        """Have the agent kill what carries ``command.marker``: the command's answer.
+
+        The agent kills every process carrying the marker, setsid or not, and says so; the
+        command then ends and its answer comes. A kill that came before the command started
+        found nothing: it is said again, each time its last one is answered.
+        """
+        deadline = time.monotonic() + AGENT_KILL_TIMEOUT_S
+        while True:
+            self.control_port.send(f"kill {command.marker}\n".encode())
+            while (
+                self.control_port.read_line(deadline, alive) != f"killed {command.marker}".encode()
+            ):
+                pass  # the answer to an earlier command's kill, said again as it ended
+            try:
+                return self.exec_port.read_line(
+                    min(deadline, time.monotonic() + KILL_AGAIN_S), alive
+                )
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def close(self) -> None:
         self.exec_port.close()

@@ -98,6 +98,15 @@ class AgentGainsPrivileges(PlantedAgent):
         return agent.replace("exec setsid setpriv --nnp sh", "exec setsid sh")
 
 
+class AgentKillsTheGroupOnly(PlantedAgent):
+    """SANDBOX-EXEC-01: at a timeout the agent kills the command's group, not what left it."""
+
+    BREAKS = "SANDBOX-EXEC-01"
+
+    def plant(self, agent: str) -> str:
+        return agent.replace("marked=$(grep -lF", "return 0; marked=$(grep -lF")
+
+
 class BindingNotRestored(VfioBinder):
     """Releasing a group forgets it but leaves its functions bound to vfio-pci."""
 
@@ -110,4 +119,5 @@ ALL: tuple[type[BrokenVmDriver], ...] = (
     GpuNeverReclaimed,
     AgentReportsSuccess,
     AgentGainsPrivileges,
+    AgentKillsTheGroupOnly,
 )
