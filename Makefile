@@ -37,7 +37,7 @@ $(BIN)/.installed: pyproject.toml
 	  fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,docker,podman,kubernetes]'
 	touch $@
 
 # torch for the workload payloads' CPU self-check, pinned to an exact version: this

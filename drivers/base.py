@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 import re
 import uuid
@@ -85,6 +86,23 @@ class Availability:
 
     ok: bool
     reason: str = ""
+
+
+def client_library(module: str, extra: str) -> Availability | None:
+    """Why a driver cannot run without the Python package ``module``; None when it imports.
+
+    An engine's client is an optional extra of this project (``[docker]``, ``[podman]``,
+    ``[kubernetes]``): a driver author installs the contract and the catalogue alone.
+    """
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return Availability(
+            False,
+            f"needed the Python package {module} (found: {exc}); install it with "
+            f"`pip install 'gpu-sandbox-conformance[{extra}]'`",
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 class DockerDriver(ContainerDriver):
     name = "docker"
+    client_package = "docker"
     holder_kind = "docker"
     url_env = "DOCKER_HOST"
     default_url = "unix:///var/run/docker.sock"

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 class PodmanDriver(ContainerDriver):
     name = "podman"
+    client_package = "podman"
     holder_kind = "podman"
     url_env = "CONTAINER_HOST"
     default_url = "unix:///run/podman/podman.sock"

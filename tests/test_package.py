@@ -100,6 +100,15 @@ def test_the_wheel_carries_the_catalogue_and_its_data(installed: Path) -> None:
     assert "site-packages" in done.stdout, f"imported from the checkout: {done.stdout}"
 
 
+def test_the_engine_clients_are_extras_the_wheel_installs_without(installed: Path) -> None:
+    """A driver author's venv gets the contract and the catalogue, no engine client."""
+    code = "import importlib.util as u; print([m for m in {!r} if u.find_spec(m)])".format(
+        ("docker", "podman", "kubernetes", "grpc")
+    )
+    done = _run([str(installed), "-c", code], installed.parent)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stdout + done.stderr
+
+
 def test_the_catalogue_runs_against_an_out_of_tree_driver(installed: Path, tmp_path: Path) -> None:
     """`pytest --pyargs conformance` in someone else's repository, with a driver of theirs."""
     repository = tmp_path / "their-repo"

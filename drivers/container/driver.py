@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from drivers.base import Availability, Driver, Launch
+from drivers.base import Availability, Driver, Launch, client_library
 from drivers.container.api import REAP_TIMEOUT_S, ContainerRequest, EngineError
 from drivers.container.keepalive import (
     KEEPALIVE_OPEN_TIMEOUT_S,
@@ -33,6 +33,8 @@ class ContainerDriver(Driver):
     """A driver that runs sandboxes as containers of one engine, reached through its API."""
 
     url_env: ClassVar[str]
+    client_package: ClassVar[str]
+    """The Python package of the engine's client, an extra of this project of the same name."""
     """The environment variable naming the engine's API endpoint, as its CLI reads it."""
     default_url: ClassVar[str]
     cli: ClassVar[str]
@@ -154,6 +156,8 @@ class ContainerDriver(Driver):
     # -- the driver contract ---------------------------------------------------------------
 
     def probe(self) -> Availability:
+        if no_client := client_library(self.client_package, self.client_package):
+            return no_client
         try:
             self.ping()
         except Exception as exc:  # every client library raises its own kinds

@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, cast
 
-from drivers.base import Availability, Command, CommandTimedOut, Launch, Sandbox
+from drivers.base import Availability, Command, CommandTimedOut, Launch, Sandbox, client_library
 from drivers.images import DEFAULT_IMAGE
 from drivers.kubernetes.api import LOCAL_KUBECONFIG, json_body, said
 from drivers.kubernetes.cluster import ClusterDriver
@@ -112,6 +112,8 @@ class KubernetesDriver(ClusterDriver):
         return int((node.get("status", {}).get("allocatable") or {}).get(self.resource) or 0)
 
     def probe(self) -> Availability:
+        if no_client := client_library("kubernetes", "kubernetes"):
+            return no_client
         try:
             cluster = self.cluster
             version = self._server_version()
