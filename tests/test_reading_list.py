@@ -62,3 +62,16 @@ def test_a_stale_size_is_found(tmp_path: Path) -> None:
         ("a.py", 2), ("page.md", 1), ("a.py", 3)
     ]  # fmt: skip
     assert [said == lines(path) for path, said in stated(page)] == [True, False, False]
+
+
+def test_the_page_names_every_name_of_the_public_contract() -> None:
+    """What ``drivers.contract`` exports, docs/writing-a-driver.md names, and jail.py imports so."""
+    import drivers.contract
+
+    page = (ROOT / "docs" / "writing-a-driver.md").read_text()
+    unnamed = [name for name in drivers.contract.__all__ if f"`{name}`" not in page]
+    assert unnamed == []
+    example = (ROOT / "examples" / "drivers" / "jail.py").read_text()
+    assert "from drivers.contract import" in example
+    inner = re.findall(r"^from (drivers\.(?:base|sandbox|commands)) import", example, re.M)
+    assert inner == [], "the example imports the contract from where it is written"

@@ -16,14 +16,25 @@ import subprocess
 from subprocess import PIPE
 
 from drivers import seccomp
-from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
+from drivers.contract import (
+    VENDORS,
+    Availability,
+    Command,
+    CommandTimedOut,
+    Driver,
+    DriverCapabilities,
+    GpuDevice,
+    GpuPlan,
+    Holder,
+    Launch,
+    Output,
+    Sandbox,
+    SandboxExecError,
+    SandboxStartError,
+)
 from gpuhost import uids
-from gpuhost.devices import GpuDevice
-from gpuhost.errors import SandboxExecError, SandboxStartError
-from gpuhost.leases import Holder
 from gpuhost.procfs import each_process, kill_if, kill_marked, owner
 from gpuhost.spawn import spawn, stop_process
-from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
 
 HOST_PATH = "/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -33,7 +33,7 @@ from typing import Any
 from jail import HOST_ENV, Jail, JailDriver
 
 from drivers import seccomp
-from drivers.base import CommandTimedOut
+from drivers.contract import CommandTimedOut
 from drivers.external.protocol import PROTOCOL_VERSION, error_of
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import SandboxExecError

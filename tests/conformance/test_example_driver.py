@@ -89,7 +89,7 @@ def test_the_example_is_small_and_stands_alone() -> None:
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     drivers = sorted(name for name in imported if name.split(".")[0] == "drivers")
-    assert drivers == ["drivers.base", "drivers.seccomp"], (
+    assert drivers == ["drivers.contract", "drivers.seccomp"], (
         f"{EXAMPLE} imports {drivers}: only the contract and the system call filter"
     )
 
