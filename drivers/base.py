@@ -53,6 +53,7 @@ from gpuhost.errors import (
     shown,
 )
 from gpuhost.host import GpuHost
+from gpuhost.idforms import ids_of
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, register_liveness
 from gpuhost.spec import (
     DriverCapabilities,
@@ -196,9 +197,14 @@ class Driver(ABC):
     def reap(self, session_id: str) -> list[str]:
         """Remove everything ``session_id`` left behind; returns what was removed."""
 
-    @abstractmethod
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        """The exact, driver-native IDs that name ``gpu`` in ``gpu_device_ids``."""
+        """The exact IDs that name ``gpu`` in ``gpu_device_ids``, the first its own.
+
+        Written in the forms the driver declares for it (``capabilities.id_forms``, or
+        ``other_vendor_id_forms`` for AMD and Intel GPUs), from the one table
+        (``gpuhost.idforms``); a driver whose names are native overrides it.
+        """
+        return ids_of(gpu, self.capabilities.id_forms_of(gpu))
 
     def sees(self, path: Path) -> bool:
         """Whether a sandbox's commands can read ``path`` of the host, at that path.

@@ -91,10 +91,8 @@ class ReferenceDriver(Driver):
         return DriverCapabilities(
             max_gpus_per_sandbox=len(self.host.devices),
             exact_ids=True,
-            exact_id_forms=(
-                "a host index, a UUID (GPU-..., MIG-...), a CDI name (nvidia.com/gpu=...), or "
-                "the PCI address of an AMD or Intel GPU"
-            ),
+            id_forms=("index", "uuid", "cdi"),
+            other_vendor_id_forms=("pci", "uuid"),
             exclusive=True,
             shared=True,
             mig_profiles=True,
@@ -161,13 +159,6 @@ class ReferenceDriver(Driver):
 
     def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
         return self.host.pool(plan.vendor, plan.mig_profile)
-
-    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        if gpu.is_mig:
-            return (gpu.uuid, *gpu.cdi_names)
-        if gpu.vendor != "nvidia":
-            return (gpu.pci_bus_id, gpu.uuid)
-        return (str(gpu.index), gpu.uuid, *gpu.cdi_names)
 
     def start(self, launch: Launch) -> ReferenceSandbox:
         argv = self.bwrap_argv(launch.sandbox_id, launch.gpus)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from gpuhost import idforms
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import (
     FIELD_LIMIT,
@@ -186,7 +187,13 @@ class DriverCapabilities:
     max_gpus_per_sandbox: int
     exact_ids: bool
     exact_id_forms: str = ""
-    """Human-readable native forms accepted in ``gpu_device_ids``, for error messages."""
+    """The forms accepted in ``gpu_device_ids``, in words, for error messages: by default
+    ``id_forms``'s (``idforms.forms_text``)."""
+    id_forms: tuple[str, ...] = ()
+    """The forms it takes exact IDs in, from the one table (``gpuhost.idforms``), first the
+    one a device is named by: ``Driver.device_ids`` writes each device's IDs in them."""
+    other_vendor_id_forms: tuple[str, ...] | None = None
+    """Those it takes for AMD and Intel GPUs, where they differ from ``id_forms``."""
     exclusive: bool = True
     shared: bool = False
     """It can serve ``sharing: shared`` requests (co-held GPUs, time-sliced)."""
@@ -203,6 +210,23 @@ class DriverCapabilities:
     host_filesystem: bool = False
     """Its sandboxes see the host's files at their own paths, read-only (a jail, not an
     image): the suite's own interpreter can run inside, where ``Driver.sees`` says so."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id_forms", idforms.check_forms(self.id_forms))
+        other = self.other_vendor_id_forms
+        if other is not None:
+            object.__setattr__(self, "other_vendor_id_forms", idforms.check_forms(other))
+        if not self.exact_id_forms and self.id_forms:
+            words = idforms.forms_text(self.id_forms)
+            if other is not None:
+                words += f"; for AMD and Intel GPUs {idforms.forms_text(other)}"
+            object.__setattr__(self, "exact_id_forms", words)
+
+    def id_forms_of(self, gpu: GpuDevice) -> tuple[str, ...]:
+        """The forms that name ``gpu``: ``other_vendor_id_forms`` for AMD and Intel GPUs."""
+        if gpu.vendor != "nvidia" and self.other_vendor_id_forms is not None:
+            return self.other_vendor_id_forms
+        return self.id_forms
 
     @property
     def id_keys(self) -> tuple[str, ...]:

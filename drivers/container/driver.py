@@ -24,9 +24,13 @@ from drivers.labels import DEVICES_LABEL, DRIVER_LABEL, SANDBOX_LABEL, SESSION_L
 from gpuhost import cdi
 from gpuhost.devices import CDI_KIND, GpuDevice
 from gpuhost.errors import SandboxStartError, UnknownImage
+from gpuhost.idforms import forms_text, ids_of
 from gpuhost.leases import Holder
 from gpuhost.spec import VENDORS, DriverCapabilities, GpuPlan
 from gpuhost.wait import wait_for
+
+OTHER_VENDOR_FORMS = ("pci", "dri")
+"""How an AMD or Intel GPU is named: no CDI spec of the engine's names it (``cdi_devices``)."""
 
 
 class ContainerDriver(Driver):
@@ -58,8 +62,9 @@ class ContainerDriver(Driver):
             exact_id_forms=(
                 f"a CDI name: {self.cdi_kind}=<index>, {self.cdi_kind}=<UUID>, "
                 f"{self.cdi_kind}=<gpu>:<mig instance>, or {cdi.all_devices(self.cdi_kind)} "
-                "for every GPU; for AMD and Intel GPUs the PCI address or a DRI node's path"
+                f"for every GPU; for AMD and Intel GPUs {forms_text(OTHER_VENDOR_FORMS)}"
             ),
+            other_vendor_id_forms=OTHER_VENDOR_FORMS,
             exclusive=True,
             shared=True,
             mig_profiles=True,
@@ -237,8 +242,8 @@ class ContainerDriver(Driver):
     def _device_ids(
         self, gpu: GpuDevice, registry: Callable[[], cdi.CdiRegistry]
     ) -> tuple[str, ...]:
-        if gpu.vendor != "nvidia":
-            return (gpu.pci_bus_id, *(node.path for node in gpu.nodes if "/dri/" in node.path))
+        if gpu.vendor != "nvidia":  # no CDI spec of the engine's names them
+            return ids_of(gpu, OTHER_VENDOR_FORMS)
         return registry().names_of(gpu)
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:

@@ -55,6 +55,7 @@ from gpuhost.errors import (
     shown,
 )
 from gpuhost.host import GpuHost
+from gpuhost.idforms import forms_text
 from gpuhost.private import NotPrivate, private_directory
 from gpuhost.simulated.pci_proxy import GpuFunctionBusy
 from gpuhost.spawn import stop_process
@@ -81,6 +82,10 @@ def pci_forms(address: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(form for w in written for form in (w.lower(), w.upper())))
 
 
+VM_ID_FORMS = ("pci", "index")
+"""A GPU is named by its PCI address, or its host index: what passthrough is given."""
+
+
 class VmDriver(Driver):
     name = "vm"
 
@@ -99,9 +104,10 @@ class VmDriver(Driver):
         return DriverCapabilities(
             max_gpus_per_sandbox=1,
             exact_ids=True,
+            id_forms=VM_ID_FORMS,
             exact_id_forms=(
-                "a PCI address (0000:2a:00.0, or as NVML or lspci write it: 00000000:2A:00.0, "
-                "2a:00.0) or a host index"
+                f"{forms_text(VM_ID_FORMS)} (a PCI address as NVML or lspci write it too: "
+                "00000000:2A:00.0, 2a:00.0)"
             ),
             exclusive=True,
             shared=False,
@@ -121,9 +127,6 @@ class VmDriver(Driver):
     def _host_gpus(self) -> tuple[GpuDevice, ...]:
         """The host's NVIDIA GPUs as VMs see them: on a real host, those of the PCI bus."""
         return self.passthrough.gpus(self.host.gpus)
-
-    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        return (gpu.pci_bus_id, str(gpu.index))
 
     def device_index(self) -> dict[str, tuple[GpuDevice, ...]]:
         """Its IDs, and each GPU's PCI address in every form it takes (``pci_forms``)."""

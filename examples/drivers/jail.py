@@ -52,7 +52,7 @@ class JailDriver(Driver):
     def capabilities(self) -> DriverCapabilities:
         return DriverCapabilities(
             max_gpus_per_sandbox=len(self.host.devices), exact_ids=True, mig_profiles=True,
-            exact_id_forms="an index, a UUID, a CDI name, or an AMD or Intel GPU's PCI address",
+            id_forms=("index", "uuid", "cdi"), other_vendor_id_forms=("pci", "uuid"),
             shared=True, vendors=VENDORS,  # the lease registry counts sharers: nothing to do
         )  # fmt: skip
 
@@ -68,12 +68,6 @@ class JailDriver(Driver):
 
     def inventory(self) -> tuple[GpuDevice, ...]:  # what defaults and plain counts take
         return self.host.default_devices
-
-    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        if gpu.vendor != "nvidia":
-            return (gpu.pci_bus_id, gpu.uuid)
-        index = () if gpu.is_mig else (str(gpu.index),)  # a MIG instance's is its GPU's
-        return (*index, gpu.uuid, *gpu.cdi_names)
 
     def exact_devices(self) -> tuple[GpuDevice, ...]:  # MIG instances, AMD and Intel GPUs too
         return self.host.devices

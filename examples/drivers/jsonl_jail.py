@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -33,9 +34,8 @@ from typing import Any
 from jail import HOST_ENV, Jail, JailDriver
 
 from drivers import seccomp
-from drivers.contract import CommandTimedOut
+from drivers.contract import CommandTimedOut, DriverCapabilities
 from drivers.external.protocol import PROTOCOL_VERSION, error_of
-from gpuhost.devices import GpuDevice
 from gpuhost.errors import SandboxExecError
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.procfs import EXEC_MARKER_ENV, kill_marked
@@ -63,10 +63,11 @@ class Cancelled(Exception):
 class JsonlJail(JailDriver):
     name = NAME  # the leases' driver, and the request's block: template.driver_config.jsonl-jail
 
-    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
+    @property
+    def capabilities(self) -> DriverCapabilities:
         # The manifest's idForms (index, uuid, cdi, pci): a whole GPU's PCI address too.
-        pci = () if gpu.is_mig or gpu.vendor != "nvidia" else (gpu.pci_bus_id,)
-        return (*super().device_ids(gpu), *pci)
+        forms = ("index", "uuid", "cdi", "pci")  # exact_id_forms="": the words say them anew
+        return dataclasses.replace(super().capabilities, id_forms=forms, exact_id_forms="")
 
 
 class Server:
