@@ -23,8 +23,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.__main__ import interleaved_medians, sandbox_lifecycle
 from bench.lane import time_lane
+from bench.measure import interleaved_medians, sandbox_lifecycle
 from drivers.container import ContainerDriver
 from drivers.docker import DockerDriver
 from drivers.podman import PodmanDriver

@@ -24,8 +24,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.__main__ import interleaved_medians, sandbox_lifecycle
 from bench.lane import time_lane
+from bench.measure import interleaved_medians, sandbox_lifecycle
 from drivers.kubernetes import DEFAULT_IMAGE, KubernetesDriver, pod_manifest
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig

@@ -28,8 +28,8 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.__main__ import interleaved_medians, sandbox_lifecycle
 from bench.lane import time_lane
+from bench.measure import interleaved_medians, sandbox_lifecycle
 from drivers import vm
 from drivers.vm import VmDriver
 from drivers.vm.qemu import root_ports

@@ -62,7 +62,7 @@ def parser(
 ) -> argparse.ArgumentParser:
     """The command line's parser; ``handlers`` the function of each command, by name.
 
-    ``modules``: a command in a module of its own adds itself (``gpu_sandbox.report``).
+    ``modules``: a command in a module of its own adds itself (``gpu_sandbox.commands.report``).
     """
     host = _Parser(add_help=False)
     group = host.add_argument_group("the GPU host")

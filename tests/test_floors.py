@@ -90,6 +90,7 @@ IMPORTLIB = "import importlib\nimportlib."
         ("conformance", f"{IMPORTLIB}import_module(f'workloads.{{x}}')\n", "workloads"),
         ("workloads", "import gpu_sandbox.flags as flags\n", "gpu_sandbox"),
         ("bench", "from gpu_sandbox import cli\n", "gpu_sandbox"),
+        ("drivers", "from gpu_sandbox.commands.run import run_command\n", "gpu_sandbox"),
     ],
 )
 def test_a_planted_import_breaks_the_plan(

@@ -127,3 +127,17 @@ def test_the_catalogue_runs_against_an_out_of_tree_driver(installed: Path, tmp_p
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "mydriver:MyDriver: PASS" in done.stdout, done.stdout[-3000:]
     assert report.is_file()
+
+
+def test_the_wheel_carries_every_command_of_gpu_sandbox(installed: Path, tmp_path: Path) -> None:
+    """The wheel's ``gpu-sandbox``: its entry point and each command's module (a subpackage)."""
+    sim = tmp_path / "sim"
+    setup = _run([str(installed), "-m", "gpuhost.simulated", "setup", f"--root={sim}"], tmp_path)
+    assert setup.returncode == 0, setup.stderr
+    command = str(installed.parent / "gpu-sandbox")
+    for argv in (["spec", f"--sim-root={sim}", "--gpu"], ["gpus", f"--sim-root={sim}"]):
+        done = _run([command, *argv], tmp_path)
+        assert done.returncode == 0, done.stderr
+    for name in ("run", "spec", "gpus", "reap", "report"):
+        done = _run([command, name, "--help"], tmp_path)
+        assert (done.returncode, done.stderr) == (0, ""), name

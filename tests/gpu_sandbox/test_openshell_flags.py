@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from drivers import get_driver_class
-from gpu_sandbox.cli import main, run_command
+from gpu_sandbox.cli import main
+from gpu_sandbox.commands.run import run_command
 from gpu_sandbox.options import EXIT_USAGE, parser
 from gpuhost import simulated
 from gpuhost.host import GpuHost, HostConfig

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpu_sandbox.commands.common import CommandError
 from gpu_sandbox.options import EXIT_USAGE
 
 EXIT_GATE_FAILS = 1
@@ -46,7 +47,6 @@ def register(commands: Any) -> None:
 def report_command(args: argparse.Namespace) -> int:
     from conformance import fleet_render, identity
     from conformance.fleet import FleetError, load
-    from gpu_sandbox.cli import CommandError
 
     try:
         fleet = load(args.reports)
