@@ -158,8 +158,7 @@ class JsonlDriver(ExternalDriver):
             error = request_error(reply["error"], what)
             raise error if error is not None else SandboxStartError(f"{what}: {reply['error']}")
         result = reply["result"]
-        conn = self.connection()
-        conn.sessions.setdefault(conn.generation, set()).add(self.session_id)
+        self.connection().made_in(self.session_id)
         by_uuid = {gpu.uuid: gpu for gpu in self.host.devices}
         unknown = [uuid for uuid in result["gpus"] if uuid not in by_uuid]
         sandbox = JsonlSandbox(
