@@ -163,6 +163,15 @@ class DriverRequest:
         data["driver_config"] = thawed(self.config)
         return data
 
+    def to_spec(self) -> SandboxSpec:
+        """The request as a spec again, its block the envelope's only one (none when empty).
+
+        What ``select`` picked, put back: ``select(r.to_spec(), r.driver) == r`` for a
+        request with a block. What an external driver is handed, in seed 003's shape.
+        """
+        block = {self.driver: self.config} if self.config else {}
+        return SandboxSpec(image=self.image, env=self.env, gpu=self.gpu, driver_config=block)
+
 
 def select(spec: SandboxSpec, driver: str) -> DriverRequest:
     """The gateway: pick ``driver``'s block of the envelope and hand on only that.

@@ -1,8 +1,9 @@
 """Drivers the suite did not write: ``--driver=exec:PATH``, a manifest of argv templates.
 
 ``driver_class(path)`` reads and checks the manifest (``drivers.external.manifest``) and
-makes one ``ExternalDriver`` class for it: command templates (``drivers.external.driver``),
-or one long-lived process speaking JSON lines (``mode: jsonl``, ``drivers.external.jsonl``).
+makes one ``ExternalDriver`` class for it (``drivers.external.adapter``, what both modes
+share): command templates (``drivers.external.driver``), or one long-lived process speaking
+JSON lines (``mode: jsonl``, ``drivers.external.jsonl``).
 See docs/external-drivers.md and docs/external-protocol.md.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from drivers.external.driver import ExternalDriver
+    from drivers.external.adapter import ExternalDriver
 
 EXEC_PREFIX: Final = "exec:"
 
@@ -25,15 +26,18 @@ def driver_class(path: str | Path) -> type[ExternalDriver]:
 
 @functools.cache
 def _driver_class(path: Path) -> type[ExternalDriver]:
-    from drivers.external.driver import ExternalDriver
     from drivers.external.manifest import load
 
     manifest = load(path)
-    base = ExternalDriver
+    base: type[ExternalDriver]
     if manifest.mode == "jsonl":
         from drivers.external.jsonl import JsonlDriver
 
         base = JsonlDriver
+    else:
+        from drivers.external.driver import TemplatesDriver
+
+        base = TemplatesDriver
     caps = manifest.capabilities
     attrs: dict[str, object] = {"name": manifest.name, "manifest": manifest}
     if "exhaustionGraceSeconds" in caps:

@@ -87,7 +87,7 @@ class Connection:
         self.hello_timeout = hello_timeout
         self.hello: dict[str, Any] = {}
         self.generation = 0
-        self.sessions: dict[int, set[str]] = {}
+        self._sessions: dict[int, set[str]] = {}
         """The sessions each generation made sandboxes in: reaped once it has died."""
         self._driver: DriverProcess | None = None
         self._pending: dict[int, Pending] = {}
@@ -120,11 +120,15 @@ class Connection:
         with self._lock:
             if self.alive():
                 return self.generation
-            dead = self.sessions.pop(self.generation, set())
+            dead = self._sessions.pop(self.generation, set())
             self._start()
         if dead and self.on_restart is not None:
             self.on_restart(dead)  # the dead process's sandboxes: reaped through the new one
         return self.generation
+
+    def made_in(self, session_id: str) -> None:
+        """The running process made a sandbox in ``session_id``: reaped once it has died."""
+        self._sessions.setdefault(self.generation, set()).add(session_id)
 
     def _start(self) -> None:
         try:
@@ -135,7 +139,7 @@ class Connection:
         pidfd = os.pidfd_open(driver.popen.pid)
         self._driver = driver
         self.generation += 1
-        self.sessions[self.generation] = set()
+        self._sessions[self.generation] = set()
         reader = threading.Thread(
             target=self._read, args=(driver, self.generation, pidfd), daemon=True,
             name=f"jsonl-reader-{driver.popen.pid}",

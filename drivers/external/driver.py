@@ -1,4 +1,4 @@
-"""The adapter: a ``Driver`` whose every operation runs one of a manifest's argv templates.
+"""Mode ``templates``: a driver whose every operation runs one of a manifest's argv templates.
 
 ``Driver.create`` plans and (``allocation: host-registry``) leases as for any built-in
 driver; ``start`` renders the create template with the leased GPUs' IDs and runs it. Every
@@ -11,27 +11,23 @@ leased or run (``drivers.external.templates.OptionLike``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Mapping
-from typing import ClassVar
 
-from drivers.base import Availability, Command, CommandTimedOut, Driver, Launch, Output, Sandbox
-from drivers.external.manifest import RESERVED_CONFIG_KEYS, Manifest
+from drivers.base import Availability, Command, CommandTimedOut, Launch, Output, Sandbox
+from drivers.external.adapter import ExternalDriver
+from drivers.external.manifest import RESERVED_CONFIG_KEYS
 from drivers.external.process import (
     PIPE,
+    ExternalDriverError,
     checked,
-    command_env,
     run_operation,
     spawn,
     terminate_group,
 )
-from drivers.external.process import ExternalDriverError as ExternalDriverError
-from drivers.external.process import OperationTimedOut as OperationTimedOut
 from drivers.external.stderr import says_gone, typed_error
 from drivers.external.templates import (
     CreateRequest,
@@ -50,45 +46,17 @@ from gpuhost.errors import (
 )
 from gpuhost.leases import Holder
 from gpuhost.procfs import kill_marked
-from gpuhost.spec import SHARED, DriverCapabilities, DriverRequest, GpuPlan, SandboxSpec
+from gpuhost.spec import SHARED, DriverRequest, GpuPlan
 
 DRY_RUN_ID = "0" * 12
 """The sandbox id of the create argv rendered at plan time, to check the request's values."""
-REAP_POLL_S = 0.2
-FORM_TEXT = {
-    "index": "a host index",
-    "uuid": "a UUID (GPU-…, MIG-…)",
-    "cdi": "a CDI name (<kind>=<index>, <kind>=<UUID>, <kind>=<gpu>:<instance>)",
-    "pci": "a PCI address",
-    "dri": "an AMD or Intel GPU's DRI node path",
-}
 CONFIG_TYPES: Mapping[str, type | tuple[type, ...]] = {
     "string": str, "integer": int, "boolean": bool, "list": list,
 }  # fmt: skip
 
 
-class ExternalDriver(Driver):
-    """A driver judged through its CLI: each class is one manifest (``exec:PATH``)."""
-
-    manifest: ClassVar[Manifest]
-
-    # -- what the manifest declares ----------------------------------------------------
-
-    @property
-    def capabilities(self) -> DriverCapabilities:
-        caps = self.manifest.capabilities
-        most = caps["maxGpusPerSandbox"]
-        forms = caps.get("idForms", ())
-        return DriverCapabilities(
-            max_gpus_per_sandbox=max(1, len(self.exact_devices())) if most == "all" else most,
-            exact_ids=caps["exactIds"],
-            exact_id_forms=", ".join(FORM_TEXT[form] for form in forms),
-            exclusive=caps.get("exclusive", True),
-            shared=caps.get("shared", False),
-            mig_profiles=caps.get("mig", False),
-            vendors=tuple(caps.get("vendors", ("nvidia",))),
-            config_keys=tuple(self.manifest.driver_config),
-        )
+class TemplatesDriver(ExternalDriver):
+    """An external driver of ``mode: templates``: each operation runs one of its argv templates."""
 
     def values(self, **more: str) -> dict[str, str]:
         """The variables every template may name, and ``more``."""
@@ -96,11 +64,6 @@ class ExternalDriver(Driver):
         return {
             "session_id": self.session_id, "driver": self.name, "cdi_kind": kind, **more,
         }  # fmt: skip
-
-    @functools.cached_property
-    def env(self) -> dict[str, str]:
-        """What every command runs with: the host's PATH and LANG, the manifest's passEnv."""
-        return command_env(self.manifest.pass_env)
 
     def operation(self, op: str, what: str, **more: str) -> subprocess.CompletedProcess[bytes]:
         """Run the template ``op`` with ``more`` variables, under its timeout."""
@@ -112,25 +75,6 @@ class ExternalDriver(Driver):
             raise ExternalDriverError(f"{self.name} {what}: {exc}") from exc
         return run_operation(argv, self.manifest.timeouts[op], f"{self.name} {what}", env=self.env)
 
-    # -- the devices -------------------------------------------------------------------
-
-    def declared(self) -> Mapping[str, tuple[str, ...]] | None:
-        """The GPUs the driver says it could give (UUID: its IDs), or None (not declared).
-
-        Asked once per driver object; a UUID this host lacks is an ``ExternalDriverError``.
-        """
-        if not self.manifest.inventory:
-            return None
-        cached: Mapping[str, tuple[str, ...]] | None = getattr(self, "_declared", None)
-        if cached is None:
-            cached = self._declared = self.ask_inventory()
-            unknown = sorted(set(cached) - {gpu.uuid for gpu in self.host.devices})
-            if unknown:
-                raise ExternalDriverError(
-                    f"{self.name} inventory: GPUs this host lacks: {', '.join(unknown)}"
-                )
-        return cached
-
     def ask_inventory(self) -> dict[str, tuple[str, ...]]:
         """The inventory template's lines: a UUID, then the IDs the driver names it by."""
         text = checked(self.operation("inventory", "inventory"), f"{self.name} inventory")
@@ -140,46 +84,6 @@ class ExternalDriver(Driver):
                 uuid, *ids = line.split()
                 found[uuid] = tuple(ids) or (uuid,)
         return found
-
-    def _takes(self, gpu: GpuDevice) -> bool:
-        declared = self.declared()
-        if declared is not None:
-            return gpu.uuid in declared
-        caps = self.manifest.capabilities
-        if gpu.vendor not in caps.get("vendors", ("nvidia",)):
-            return False
-        if gpu.is_mig and not caps.get("mig", False):
-            return False
-        return not self.manifest.host_registry or bool(self.device_ids(gpu))
-
-    def inventory(self) -> tuple[GpuDevice, ...]:
-        return tuple(gpu for gpu in self.host.default_devices if self._takes(gpu))
-
-    def exact_devices(self) -> tuple[GpuDevice, ...]:
-        return tuple(gpu for gpu in self.host.devices if self._takes(gpu))
-
-    def pool(self, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        return tuple(
-            gpu for gpu in self.host.pool(plan.vendor, plan.mig_profile) if self._takes(gpu)
-        )
-
-    def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        declared = self.declared()
-        if declared is not None:
-            return declared.get(gpu.uuid, ())
-        ids: list[str] = []
-        for form in self.manifest.capabilities.get("idForms", ()):
-            if form == "index" and gpu.vendor == "nvidia" and not gpu.is_mig:
-                ids.append(str(gpu.index))
-            elif form == "uuid":
-                ids.append(gpu.uuid)
-            elif form == "cdi":
-                ids.extend(gpu.cdi_names)
-            elif form == "pci" and not gpu.is_mig:
-                ids.append(gpu.pci_bus_id)
-            elif form == "dri" and gpu.vendor != "nvidia":
-                ids.extend(node.path for node in gpu.nodes if "/dri/" in node.path)
-        return tuple(dict.fromkeys(ids))
 
     # -- the create sequence's hooks -----------------------------------------------------
 
@@ -198,15 +102,6 @@ class ExternalDriver(Driver):
         gpus = plan.gpus if plan is not None else ()
         self.create_argv(Launch(DRY_RUN_ID, request, plan, gpus, lambda holder: None))
         return plan
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        if self.manifest.host_registry:
-            return super().allocate(sandbox_id, plan)
-        return ()  # the driver chooses: nothing is leased here
-
-    def abandon(self, sandbox_id: str) -> None:
-        if self.manifest.host_registry:
-            super().abandon(sandbox_id)
 
     def create_request(self, launch: Launch) -> CreateRequest:
         """The request in the templates' terms (``allocation`` decides whose devices)."""
@@ -331,20 +226,17 @@ class ExternalDriver(Driver):
         gpus = launch.gpus if self.manifest.host_registry else (
             launch.plan.gpus if launch.plan is not None else ()
         )  # fmt: skip
-        return ExternalSandbox(self, sid, native, gpus, holder)
+        return TemplatesSandbox(self, sid, native, gpus, holder)
 
     def stdin_request(self, launch: Launch) -> bytes:
         """The request as one JSON object (``requestOnStdin``), for create's stdin."""
-        req = launch.request
-        block = {self.name: dict(req.config)} if req.config else {}
-        spec = SandboxSpec(image=req.image, env=req.env, gpu=req.gpu, driver_config=block)
         gpus = [
             {"uuid": gpu.uuid, "id": (self.device_ids(gpu) or (gpu.uuid,))[0]}
             for gpu in launch.gpus
         ]
         message = {
             "session_id": self.session_id, "sandbox_id": launch.sandbox_id,
-            "driver": self.name, "request": spec.to_dict(), "gpus": gpus,
+            "driver": self.name, "request": launch.request.to_spec().to_dict(), "gpus": gpus,
         }  # fmt: skip
         return json.dumps(message).encode() + b"\n"
 
@@ -370,28 +262,6 @@ class ExternalDriver(Driver):
         done = self.operation("list", "list", session_id=session_id)
         text = checked(done, f"{self.name} list of session {session_id}")
         return sorted({line.strip() for line in text.splitlines() if line.strip()})
-
-    def reap(self, session_id: str) -> list[str]:
-        found = left = self.sandboxes(session_id)
-        deadline = time.monotonic() + self.manifest.timeouts["reap"]
-        # Again until list shows none: a CLI may remove only some at a time (podman 4.3's
-        # `rm --filter` does), or they may take a while to go.
-        while left and time.monotonic() < deadline:
-            self.reap_once(session_id)
-            left = self.sandboxes(session_id)
-            if left:
-                time.sleep(REAP_POLL_S)
-        if left:
-            raise ExternalDriverError(
-                f"{self.name} reap of session {session_id} left sandboxes {left}: list still "
-                f"shows them after {self.manifest.timeouts['reap']:g} s"
-            )
-        released = (
-            self.host.leases.release_session(session_id, driver=self.name)
-            if self.manifest.host_registry
-            else []
-        )
-        return sorted(set(found) | {lease.sandbox_id for lease in released})
 
     def reap_once(self, session_id: str) -> None:
         """Ask the driver once to remove everything of ``session_id``.
@@ -423,12 +293,12 @@ class ExternalDriver(Driver):
         return text.strip().splitlines()[0] if text.strip() else ""
 
 
-class ExternalSandbox(Sandbox):
+class TemplatesSandbox(Sandbox):
     """A sandbox of an external driver: ``native_id`` is the driver's own id (``{id}``)."""
 
     def __init__(
-        self, adapter: ExternalDriver, sandbox_id: str, native_id: str, gpus: tuple[GpuDevice, ...],
-        holder: Holder,
+        self, adapter: TemplatesDriver, sandbox_id: str, native_id: str,
+        gpus: tuple[GpuDevice, ...], holder: Holder,
     ) -> None:  # fmt: skip
         leases = adapter.host.leases if adapter.manifest.host_registry else None
         super().__init__(sandbox_id, adapter.name, gpus, holder, leases)

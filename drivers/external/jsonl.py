@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from drivers.base import Availability, Command, CommandTimedOut, Launch, Output, Sandbox, write_all
+from drivers.external.adapter import ExternalDriver
 from drivers.external.connection import CANCEL_GRACE_S, Connection, DriverProcessDied, Pending
-from drivers.external.driver import ExternalDriver, ExternalDriverError, OperationTimedOut
+from drivers.external.process import ExternalDriverError, OperationTimedOut
 from drivers.external.protocol import PROTOCOL_VERSION, ProtocolError, exec_error, request_error
 from drivers.external.templates import substitute
 from drivers.labels import DRIVER_LABEL, REQUEST_LABEL, SESSION_LABEL
@@ -29,7 +30,6 @@ from gpuhost.errors import DriverError, SandboxExecError, SandboxStartError, sho
 from gpuhost.leases import Holder
 from gpuhost.procfs import kill_marked
 from gpuhost.spawn import TERM_GRACE_S, kill_group
-from gpuhost.spec import SandboxSpec
 
 EXEC_SLACK_S = 1.0
 """How long past an exec's own timeout the driver has to answer ``timeout`` itself."""
@@ -142,17 +142,15 @@ class JsonlDriver(ExternalDriver):
         return None  # the request goes to the driver as given: its refusals are its own
 
     def start(self, launch: Launch) -> JsonlSandbox:
-        req = launch.request
-        block = {self.name: req.config} if req.config else {}
-        spec = SandboxSpec(image=req.image, env=req.env, gpu=req.gpu, driver_config=block)
         what = f"{self.name} create in session {self.session_id}"
         labels = {
             SESSION_LABEL: self.session_id, DRIVER_LABEL: self.name,
             REQUEST_LABEL: launch.sandbox_id,
         }  # fmt: skip
+        request = launch.request.to_spec().to_dict()
         try:
             reply = self.request(
-                "create", what, session_id=self.session_id, labels=labels, request=spec.to_dict()
+                "create", what, session_id=self.session_id, labels=labels, request=request
             )
         except DriverError as exc:
             raise SandboxStartError(str(exc)) from exc
@@ -160,8 +158,7 @@ class JsonlDriver(ExternalDriver):
             error = request_error(reply["error"], what)
             raise error if error is not None else SandboxStartError(f"{what}: {reply['error']}")
         result = reply["result"]
-        conn = self.connection()
-        conn.sessions.setdefault(conn.generation, set()).add(self.session_id)
+        self.connection().made_in(self.session_id)
         by_uuid = {gpu.uuid: gpu for gpu in self.host.devices}
         unknown = [uuid for uuid in result["gpus"] if uuid not in by_uuid]
         sandbox = JsonlSandbox(

@@ -7,7 +7,8 @@ those the manifest names in ``passEnv``; never the rest of the caller's (an
 ``LD_PRELOAD``, a ``PATH`` of theirs, credentials of other tools). It runs in an empty
 directory only its user may enter (``empty_dir``), never the caller's: a value that a CLI
 reads as a relative path (an image ``Dockerfile``, ``tmp``, whose ``Dockerfile`` any local
-user may write) names nothing.
+user may write) names nothing. Its errors (``ExternalDriverError``, ``OperationTimedOut``)
+are both modes' (``drivers.external.driver``, ``drivers.external.jsonl``).
 """
 
 from __future__ import annotations

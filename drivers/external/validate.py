@@ -24,7 +24,8 @@ from pathlib import Path
 
 from drivers.base import Command
 from drivers.external import driver_class
-from drivers.external.driver import ExternalDriver, ExternalSandbox
+from drivers.external.adapter import ExternalDriver
+from drivers.external.driver import TemplatesSandbox
 from drivers.external.manifest import ManifestError
 from drivers.external.templates import CreateRequest, RefusedValue, render, render_create
 from gpuhost.devices import CDI_KIND
@@ -122,7 +123,7 @@ def probe(driver: type[ExternalDriver], sim_root: Path | None, image: str | None
     adapter = driver(GpuHost.open(HostConfig(sim_root)), session, image)
     try:
         sandbox = adapter.create(SandboxSpec())
-        assert isinstance(sandbox, ExternalSandbox)
+        assert isinstance(sandbox, TemplatesSandbox)
         with sandbox:
             result = sandbox.exec(list(PROBE), timeout=60)
     except DriverError as exc:

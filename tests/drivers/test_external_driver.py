@@ -20,16 +20,15 @@ import yaml
 
 from drivers import UnknownDriver, get_driver_class
 from drivers.external import driver_class
-from drivers.external.driver import ExternalDriverError, OperationTimedOut
 from drivers.external.manifest import ManifestError, parse
-from drivers.external.process import run_operation
+from drivers.external.process import ExternalDriverError, OperationTimedOut, run_operation
 from drivers.external.schema import SCHEMA
 from drivers.external.templates import CreateRequest, render_create
 from drivers.external.validate import main as validate
 from gpuhost import simulated
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError, UnknownGpuDevice
 from gpuhost.host import GpuHost, HostConfig
-from gpuhost.spec import SandboxSpec
+from gpuhost.spec import GpuRequest, SandboxSpec, select
 from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
 
 PODMAN_CLI = ROOT / "examples" / "drivers" / "podman-cli.yaml"
@@ -444,3 +443,19 @@ def test_request_on_stdin_hands_create_the_request_as_json(tmp_path: Path, host:
     }  # fmt: skip
     with pytest.raises(ManifestError, match="requestOnStdin"):
         parse({**yaml.safe_load(EXAMPLE_JSONL.read_text()), "requestOnStdin": True})
+
+
+def test_a_drivers_request_as_a_spec_again_is_what_select_picked_and_only_that() -> None:
+    gpu = GpuRequest(2, "shared")
+    block = {"gpu_device_ids": ["1", "2"], "mig_profile": None}
+    spec = SandboxSpec(
+        image="img", env={"A": "b"}, gpu=gpu, driver_config={"sh-files": block, "other": {"x": 1}}
+    )
+    request = select(spec, "sh-files")
+    again = request.to_spec()
+    assert again.to_dict() == {
+        "resource_requirements": {"gpu": {"count": 2, "sharing": "shared"}},
+        "template": {"image": "img", "env": {"A": "b"}, "driver_config": {"sh-files": block}},
+    }
+    assert select(again, "sh-files") == request
+    assert select(SandboxSpec(image="img"), "sh-files").to_spec() == SandboxSpec(image="img")

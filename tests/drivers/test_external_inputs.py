@@ -23,7 +23,7 @@ import yaml
 
 from drivers.base import Command
 from drivers.external import driver_class
-from drivers.external.driver import ExternalDriver
+from drivers.external.adapter import ExternalDriver
 from drivers.external.jsonl_process import DRIVER_MARKER_ENV
 from drivers.external.manifest import ManifestError, parse
 from drivers.external.templates import CreateRequest, render_create
@@ -220,11 +220,11 @@ def test_a_driver_id_that_is_an_option_never_reaches_close(tmp_path: Path, host:
 
 
 def test_an_exec_env_key_that_is_an_option_is_refused(tmp_path: Path, host: GpuHost) -> None:
-    from drivers.external.driver import ExternalSandbox
+    from drivers.external.driver import TemplatesSandbox
 
     cls = driver_class(write(tmp_path / "d.yaml", sh_manifest(tmp_path / "sb")))
     with cls(host, "exec-env").create(parse_spec({})) as sandbox:
-        assert isinstance(sandbox, ExternalSandbox)
+        assert isinstance(sandbox, TemplatesSandbox)
 
         command = Command.of(["true"], 5)
         hostile = {"-i": "x"}  # `env -i=x true`: env's own option

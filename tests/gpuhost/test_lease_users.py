@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from drivers.external import driver_class
-from drivers.external.driver import ExternalDriverError
+from drivers.external.process import ExternalDriverError
 from gpuhost import leasefile, simulated
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import GpuBusy
