@@ -20,16 +20,10 @@ from drivers.base import Driver
 from drivers.external.manifest import Manifest
 from drivers.external.process import ExternalDriverError, command_env
 from gpuhost.devices import GpuDevice
+from gpuhost.idforms import ids_of
 from gpuhost.spec import DriverCapabilities, GpuPlan
 
 REAP_POLL_S = 0.2
-FORM_TEXT = {
-    "index": "a host index",
-    "uuid": "a UUID (GPU-…, MIG-…)",
-    "cdi": "a CDI name (<kind>=<index>, <kind>=<UUID>, <kind>=<gpu>:<instance>)",
-    "pci": "a PCI address",
-    "dri": "an AMD or Intel GPU's DRI node path",
-}
 
 
 class ExternalDriver(Driver):
@@ -47,7 +41,7 @@ class ExternalDriver(Driver):
         return DriverCapabilities(
             max_gpus_per_sandbox=max(1, len(self.exact_devices())) if most == "all" else most,
             exact_ids=caps["exactIds"],
-            exact_id_forms=", ".join(FORM_TEXT[form] for form in forms),
+            id_forms=tuple(forms),
             exclusive=caps.get("exclusive", True),
             shared=caps.get("shared", False),
             mig_profiles=caps.get("mig", False),
@@ -109,19 +103,8 @@ class ExternalDriver(Driver):
         declared = self.declared()
         if declared is not None:
             return declared.get(gpu.uuid, ())
-        ids: list[str] = []
-        for form in self.manifest.capabilities.get("idForms", ()):
-            if form == "index" and gpu.vendor == "nvidia" and not gpu.is_mig:
-                ids.append(str(gpu.index))
-            elif form == "uuid":
-                ids.append(gpu.uuid)
-            elif form == "cdi":
-                ids.extend(gpu.cdi_names)
-            elif form == "pci" and not gpu.is_mig:
-                ids.append(gpu.pci_bus_id)
-            elif form == "dri" and gpu.vendor != "nvidia":
-                ids.extend(node.path for node in gpu.nodes if "/dri/" in node.path)
-        return tuple(dict.fromkeys(ids))
+        # The table in the manifest's forms (not capabilities': its count asks for the IDs).
+        return ids_of(gpu, self.manifest.capabilities.get("idForms", ()))
 
     # -- whose allocation it is ----------------------------------------------------------
 

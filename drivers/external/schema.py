@@ -12,12 +12,11 @@ import json
 import sys
 from typing import Any, Final
 
+from gpuhost.idforms import ID_FORMS
+
 API_VERSION: Final = "gpu-sandbox.dev/v1alpha1"
 KIND: Final = "Driver"
-ID_FORMS: Final = ("index", "uuid", "cdi", "pci", "dri")
-"""What an exact ID may be: a host index, a UUID (``GPU-``/``MIG-``), a CDI name
-(``<kind>=<index>``, ``<kind>=<uuid>``, ``<kind>=<gpu>:<instance>``), a PCI address, an
-AMD or Intel GPU's DRI node path (``/dev/dri/card1``)."""
+
 OPERATIONS: Final = (
     "create", "ready", "pid", "exec", "close", "kill", "list", "reap", "version", "inventory",
 )  # fmt: skip

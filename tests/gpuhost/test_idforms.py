@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE_NAMES = {
     "drivers/container/driver.py": "ContainerDriver",  # the engine's CDI spec names a GPU
     "drivers/kubernetes/driver.py": "KubernetesDriver",  # a pod names none
-    "drivers/external/driver.py": "ExternalDriver",  # a driver's own list, when it gives one
+    "drivers/external/adapter.py": "ExternalDriver",  # a driver's own list, when it gives one
 }
 """The drivers whose IDs are truly native: the only ones that write ``device_ids``."""
 
