@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             "python -c pass (the floor)": [sys.executable, "-c", "pass"],
             "gpu-sandbox --help": [str(GPU_SANDBOX), "--help"],
             **{
-                f"gpu-sandbox spec --driver={name} --gpu-count=2": [
-                    *spec, f"--driver={name}", "--gpu-count=2"
+                f"gpu-sandbox spec --driver={name} --gpu-count=1": [
+                    *spec, f"--driver={name}", "--gpu-count=1"
                 ]
                 for name in REGISTRY
             },
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  slowest spec: {worst * 1000:.1f} ms wall, {(worst - floor) * 1000:.1f} ms over "
             f"the floor  (target < {TARGET_MS:.0f} ms)"
         )
-        print("\nimports of gpu-sandbox spec --gpu-count=2 (python -X importtime, one run)")
+        print("\nimports of gpu-sandbox spec --gpu-count=1 (python -X importtime, one run)")
         for name in REGISTRY:
-            found = imports([str(GPU_SANDBOX), *spec[1:], f"--driver={name}", "--gpu-count=2"])
+            found = imports([str(GPU_SANDBOX), *spec[1:], f"--driver={name}", "--gpu-count=1"])
             clients = sorted({module for module, *_ in found} & set(ENGINE_CLIENTS))
             total = sum(own for _, _, own, _ in found) / 1000
             top = sorted((item for item in found if item[1] == 0), key=lambda item: -item[3])
