@@ -37,9 +37,9 @@ class ContainerDriver(Driver):
     """A driver that runs sandboxes as containers of one engine, reached through its API."""
 
     url_env: ClassVar[str]
+    """The environment variable naming the engine's API endpoint, as its CLI reads it."""
     client_package: ClassVar[str]
     """The Python package of the engine's client, an extra of this project of the same name."""
-    """The environment variable naming the engine's API endpoint, as its CLI reads it."""
     default_url: ClassVar[str]
     cli: ClassVar[str]
     cli_url_flag: ClassVar[str]
