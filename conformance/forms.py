@@ -60,7 +60,7 @@ def form_of(device: GpuDevice, device_id: str) -> str:
             return "index"
         if is_pci_address(device_id) and normalize_pci_bus_id(device_id) == device.pci_bus_id:
             return "PCI address"
-        if device_id in {node.path for node in device.nodes if "/dri/" in node.path}:
+        if device_id in device.dri_paths:
             return "DRI node"
     if device_id in {path for node in device.nodes for path in (node.path, node.source)}:
         return A_NODE

@@ -58,7 +58,7 @@ def form_of(device: GpuDevice, device_id: str) -> str:
         return "index"
     if device_id.lower() == device.pci_bus_id.lower():
         return "PCI address"
-    if device_id in {node.path for node in device.nodes if "/dri/" in node.path}:
+    if device_id in device.dri_paths:
         return "DRI node"
     return "another form"
 

@@ -104,6 +104,11 @@ class GpuDevice:
         return self.parent_uuid is not None
 
     @property
+    def dri_paths(self) -> tuple[str, ...]:
+        """The paths of its DRI nodes (``/dev/dri/card1``, ``/dev/dri/renderD129``), if any."""
+        return tuple(node.path for node in self.nodes if "/dri/" in node.path)
+
+    @property
     def cdi_names(self) -> tuple[str, ...]:
         """The CDI device names an nvidia-ctk spec gives this device: by index and by UUID.
 

@@ -19,16 +19,12 @@ ID_FORMS: Final = ("index", "uuid", "cdi", "pci", "dri")
 """What an exact ID may be, by name (an external driver's manifest says ``idForms`` so)."""
 
 
-def _dri_nodes(gpu: GpuDevice) -> tuple[str, ...]:
-    return tuple(node.path for node in gpu.nodes if "/dri/" in node.path)
-
-
 _WRITTEN: Final[Mapping[str, Callable[[GpuDevice], tuple[str, ...]]]] = {
     "index": lambda gpu: (str(gpu.index),) if gpu.vendor == "nvidia" and not gpu.is_mig else (),
     "uuid": lambda gpu: (gpu.uuid,),
     "cdi": lambda gpu: gpu.cdi_names,
     "pci": lambda gpu: () if gpu.is_mig else (gpu.pci_bus_id,),
-    "dri": lambda gpu: _dri_nodes(gpu) if gpu.vendor != "nvidia" else (),
+    "dri": lambda gpu: gpu.dri_paths if gpu.vendor != "nvidia" else (),
 }
 """Each form, as it writes a device's IDs: none where the form does not name the device."""
 

@@ -365,8 +365,7 @@ class _TakesDriNodes(_ChecksThenLeases):
     """Takes an AMD or Intel GPU's DRI nodes' paths as its IDs too, as the engines' drivers do."""
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
-        nodes = tuple(node.path for node in gpu.nodes if "/dri/" in node.path)
-        return (*super().device_ids(gpu), *(nodes if gpu.vendor != "nvidia" else ()))
+        return (*super().device_ids(gpu), *(gpu.dri_paths if gpu.vendor != "nvidia" else ()))
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ def test_each_form_names_the_devices_it_can_and_no_other(host: GpuHost) -> None:
         _one(host, "nvidia", True),
         _one(host, "amd", False),
     )
-    dri = tuple(node.path for node in amd.nodes if "/dri/" in node.path)
+    dri = amd.dri_paths
     assert dri, "the simulated AMD GPU has DRI nodes"
     expected: dict[str, dict[GpuDevice, tuple[str, ...]]] = {
         "index": {whole: (str(whole.index),), instance: (), amd: ()},
