@@ -23,7 +23,8 @@ import pytest
 from conformance import requirements
 from conformance.bounds import DriverPace, unpaced_allowance
 from conformance.settings import Settings, settings_key
-from drivers.base import Driver, Output, Sandbox
+from drivers import watch
+from drivers.base import Driver, Sandbox
 from gpuhost.host import GpuHost
 from gpuhost.leases import Lease, lock_holders
 from gpuhost.spec import SandboxSpec
@@ -160,42 +161,48 @@ def _every_sandbox_created(cls: type[Driver], pace: DriverPace) -> Iterator[list
     Each create, and each exec and close of what they made, within the driver's pace: one
     that runs past it fails the test that made it.
     """
-    made: list[Sandbox] = []
-    create, run, close = cls.create, Sandbox._exec, Sandbox.close
+    with watch.watched(_Paced(cls, pace)) as paced:
+        yield paced.made
 
-    def recorded(self: Driver, spec: SandboxSpec) -> Sandbox:
+
+class _Paced(watch.Watch):
+    """The contract's watch, set by the catalogue: the driver under test kept to its pace."""
+
+    def __init__(self, cls: type[Driver], pace: DriverPace) -> None:
+        self.cls, self.pace = cls, pace
+        self.made: list[Sandbox] = []
+
+    def create(self, driver: Driver, spec: SandboxSpec, call: Callable[[], Sandbox]) -> Sandbox:
+        if not isinstance(driver, self.cls):
+            return call()
         allowance = unpaced_allowance()
-        sandbox = pace.create.call(
+        sandbox = self.pace.create.call(
             f"create of {spec.to_dict()}",
-            lambda: create(self, spec),
+            call,
             own_timeout_s=allowance or 0.0,
             if_late=Sandbox.close,
             expected="a request it cannot grant must be refused, not waited on",
             paced=allowance is None,
         )
-        made.append(sandbox)
+        self.made.append(sandbox)
         return sandbox
 
-    def bounded_exec(self: Sandbox, argv: Sequence[str], timeout: float, output: Output) -> int:
-        if self not in made:
-            return run(self, argv, timeout, output)
-        return pace.exec.call(
-            f"exec of {list(argv)!r} in sandbox {self.id}",
-            lambda: run(self, argv, timeout, output),
+    def exec(
+        self, sandbox: Sandbox, argv: Sequence[str], timeout: float, call: Callable[[], int]
+    ) -> int:
+        if sandbox not in self.made:
+            return call()
+        return self.pace.exec.call(
+            f"exec of {list(argv)!r} in sandbox {sandbox.id}",
+            call,
             own_timeout_s=timeout,
             expected="a command past its timeout must be killed and the exec return",
         )
 
-    def bounded_close(self: Sandbox) -> None:
-        if self not in made:
-            return close(self)
-        return pace.close.call(f"close of sandbox {self.id}", lambda: close(self))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cls, "create", recorded)
-        patch.setattr(Sandbox, "_exec", bounded_exec)
-        patch.setattr(Sandbox, "close", bounded_close)
-        yield made
+    def close(self, sandbox: Sandbox, call: Callable[[], None]) -> None:
+        if sandbox not in self.made:
+            return call()
+        return self.pace.close.call(f"close of sandbox {sandbox.id}", call)
 
 
 def _close(made: list[Sandbox]) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from conformance.bounds import fail
 from conformance.observe import describe_gpus, visible_gpu_uuids
-from drivers import REGISTRY, get_driver_class
+from drivers import driver_argument, get_driver_class
 from drivers.base import Driver
 from drivers.reference import ReferenceDriver
 from gpuhost import strict
@@ -296,8 +296,7 @@ def reap_from_a_fresh_process(driver: Driver, host: HostConfig, session_id: str)
 
 def _name(driver: Driver) -> str:
     """The --driver value that makes another process build the same driver."""
-    cls_path = f"{type(driver).__module__}:{type(driver).__qualname__}"
-    return driver.name if REGISTRY.get(driver.name) == cls_path else cls_path
+    return driver_argument(type(driver))
 
 
 def _env() -> dict[str, str]:

@@ -7,7 +7,9 @@ The flow is one-directional: spec → plan → allocate → start (inject) → o
    ``template.driver_config``, as a ``DriverRequest``; no other driver's block reaches it;
 1. ``plan(request)``: every check of the request, in the documented order, and the exact
    IDs resolved to GPUs; a typed error, and nothing taken, when any fails;
-2. ``allocate``: the GPUs leased from the host-wide registry, held by this process;
+2. ``allocate``: the GPUs leased from the host-wide registry, held by this process, where
+   the driver declares that the registry allocates (``capabilities.allocated_by``; a
+   cluster's scheduler allocates for itself);
 3. ``start(launch)``: the one thing each driver does differently, returning a running
    ``Sandbox`` that holds exactly the launch's GPUs;
 4. the leases handed over to what now embodies the sandbox (``Sandbox.holder``), unless
@@ -29,11 +31,12 @@ import os
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, final
 
+from drivers import watch
 from drivers.commands import DEFAULT_EXEC_TIMEOUT_S as DEFAULT_EXEC_TIMEOUT_S
 from drivers.commands import KEPT_BYTES as KEPT_BYTES
 from drivers.commands import Command as Command
@@ -56,6 +59,7 @@ from gpuhost.host import GpuHost
 from gpuhost.idforms import ids_of
 from gpuhost.leases import PROCESS, Holder, LeaseOwner, register_liveness
 from gpuhost.spec import (
+    HOST_REGISTRY,
     DriverCapabilities,
     DriverRequest,
     GpuPlan,
@@ -147,6 +151,12 @@ class Driver(ABC):
         # The class that names a kind registers its check; its subclasses share it.
         if "holder_kind" in cls.__dict__ and cls.holder_kind != PROCESS:
             register_liveness(cls.holder_kind, cls.holder_alive)
+        for contracts_own in ("create", "check_request"):
+            if contracts_own in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__} overrides Driver.{contracts_own}, the contract's own: "
+                    "change a step through its hook (select, validate, plan, allocate, start)"
+                )
 
     def __init__(self, host: GpuHost, session_id: str, image: str | None = None) -> None:
         self.host = host
@@ -193,9 +203,24 @@ class Driver(ABC):
     def sandboxes(self, session_id: str) -> list[str]:
         """Ids of the sandboxes of ``session_id`` that still exist."""
 
-    @abstractmethod
     def reap(self, session_id: str) -> list[str]:
-        """Remove everything ``session_id`` left behind; returns what was removed."""
+        """Remove everything ``session_id`` left behind; returns the sandboxes it was.
+
+        The driver's ``remove_session`` removes what it made; then the session's leases go
+        (where the host registry allocates).
+        """
+        removed = self.remove_session(session_id)
+        released = []
+        if self.capabilities.allocated_by == HOST_REGISTRY:
+            released = self.host.leases.release_session(session_id, driver=self.name)
+        return sorted({*removed, *(lease.sandbox_id for lease in released)})
+
+    @abstractmethod
+    def remove_session(self, session_id: str) -> Iterable[str]:
+        """Remove every sandbox of ``session_id``, and what they left; returns their ids.
+
+        Returns once they are gone. ``reap`` releases the session's leases after.
+        """
 
     def device_ids(self, gpu: GpuDevice) -> tuple[str, ...]:
         """The exact IDs that name ``gpu`` in ``gpu_device_ids``, the first its own.
@@ -253,16 +278,21 @@ class Driver(ABC):
 
     # -- the create sequence -----------------------------------------------------------
 
+    @final
     def create(self, spec: SandboxSpec) -> Sandbox:
         """Select, plan, allocate, start, hand over; on any failure nothing is left taken.
 
         ``spec`` is the whole request, as a gateway receives it; the driver's own hooks see
-        only what ``select`` hands on.
+        only what ``select`` hands on. The contract's own: a driver changes a step by its
+        hook (``select``, ``validate``, ``plan``, ``allocate``, ``start``), never this.
         """
-        request = select(spec, self.name)
-        plan = self.plan(request)
-        sandbox_id = uuid.uuid4().hex[:12]
-        gpus = () if plan is None else self.allocate(sandbox_id, plan)
+        return watch.current().create(self, spec, lambda: self._create_sequence(spec))
+
+    def _create_sequence(self, spec: SandboxSpec) -> Sandbox:
+        request, plan = self.check_request(spec)
+        sandbox_id = self.new_sandbox_id()
+        registry = plan is not None and self.capabilities.allocated_by == HOST_REGISTRY
+        gpus = self.allocate(sandbox_id, plan) if registry and plan is not None else ()
         handed: list[Holder] = []
 
         def hand_over(holder: Holder) -> None:
@@ -278,19 +308,49 @@ class Driver(ABC):
                 sandbox.close()
                 raise
         except BaseException:
-            self.abandon(sandbox_id)
+            if registry:
+                self.abandon(sandbox_id)
             raise
         return sandbox
+
+    @final
+    def check_request(
+        self, spec: SandboxSpec, *, resolve: bool = True
+    ) -> tuple[DriverRequest, GpuPlan | None]:
+        """The gateway and every check of ``spec``, taking nothing: what ``create`` runs first.
+
+        A typed error for the first check that fails. ``resolve=False`` stops before the
+        exact IDs are resolved to this host's GPUs, asking nothing of the host or an engine
+        (``validate``): a CLI refuses a bad request so before it probes the driver.
+        """
+        request = self.select(spec)
+        return request, (self.plan(request) if resolve else self.validate(request))
+
+    def select(self, spec: SandboxSpec) -> DriverRequest:
+        """The gateway (``gpuhost.spec.select``): the request, with this driver's block alone."""
+        return select(spec, self.name)
+
+    def new_sandbox_id(self) -> str:
+        """A new sandbox's id, unique across processes and runs."""
+        return uuid.uuid4().hex[:12]
+
+    def validate(self, request: DriverRequest) -> GpuPlan | None:
+        """The request model's rules for this driver, asking nothing of the host or an engine.
+
+        ``validate_gpu_request``: the driver's own block, the count, this driver's
+        capabilities, IDs without a request, duplicates, the count against the IDs. ``None``
+        means no GPU. A driver with keys of its own in its block checks them here.
+        """
+        return validate_gpu_request(request, self.capabilities)
 
     def plan(self, request: DriverRequest) -> GpuPlan | None:
         """Every check of the request, in the documented order; ``None`` means no GPU.
 
-        The request model's rules (``validate_gpu_request``: the driver's own block, the
-        count, this driver's capabilities, IDs without a request, duplicates, the count
-        against the IDs), then the IDs resolved to this host's GPUs (unknown IDs, two IDs
-        of one GPU). Raises before anything is taken.
+        ``validate``, then the IDs resolved to this host's GPUs (unknown IDs, two IDs of one
+        GPU), or a MIG profile or vendor checked against the host's. Raises before anything
+        is taken.
         """
-        plan = validate_gpu_request(request, self.capabilities)
+        plan = self.validate(request)
         if plan is None:
             return None
         if plan.device_ids:

@@ -21,10 +21,20 @@ from gpuhost.errors import (
     UnsupportedGpuRequest,
 )
 from gpuhost.leases import Holder
-from gpuhost.spec import VENDORS, DriverCapabilities, DriverRequest, GpuPlan, SandboxSpec
+from gpuhost.spec import (
+    DRIVER_SCHEDULER,
+    HOST_REGISTRY,
+    VENDORS,
+    DriverCapabilities,
+    DriverRequest,
+    GpuPlan,
+    SandboxSpec,
+)
 
 __all__ = [
     "DEFAULT_EXEC_TIMEOUT_S",
+    "DRIVER_SCHEDULER",
+    "HOST_REGISTRY",
     "VENDORS",
     "Availability",
     "Command",

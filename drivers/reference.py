@@ -301,10 +301,8 @@ class ReferenceDriver(Driver):
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted({sandbox_id for sandbox_id, _ in _bwrap_processes(session_id)})
 
-    def reap(self, session_id: str) -> list[str]:
-        reaped = BWRAP_PROCESSES.reap(session_id)
-        released = self.host.leases.release_session(session_id, driver=self.name)
-        return sorted({*reaped, *(x.sandbox_id for x in released)})
+    def remove_session(self, session_id: str) -> list[str]:
+        return BWRAP_PROCESSES.reap(session_id)
 
     def bwrap_argv(self, sandbox_id: str, gpus: Sequence[GpuDevice]) -> list[str]:
         """The bwrap command line of a sandbox holding ``gpus``."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import final
 
+from drivers import watch
 from drivers.commands import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, ExecResult, Output
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import ExecTimeout, SandboxExecError, shown
@@ -84,6 +85,12 @@ class Sandbox(ABC):
         return self._exec(argv, timeout, Output(stdout, stderr))
 
     def _exec(self, argv: Sequence[str], timeout: float, output: Output) -> int:
+        def checked_run() -> int:
+            return self._checked_run(argv, timeout, output)
+
+        return watch.current().exec(self, argv, timeout, checked_run)
+
+    def _checked_run(self, argv: Sequence[str], timeout: float, output: Output) -> int:
         command = Command.of(argv, timeout)
         self._check_running(command)
         try:
@@ -136,6 +143,9 @@ class Sandbox(ABC):
         When ``stop`` raises, the sandbox may still hold its GPUs: the leases stay, and
         ``close`` may be called again.
         """
+        watch.current().close(self, self._stop_and_release)
+
+    def _stop_and_release(self) -> None:
         with self._close_lock:
             if self.closed:
                 return

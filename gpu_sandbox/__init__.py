@@ -5,3 +5,5 @@ maps the command line's GPU flags to the request spec, ``options`` reads the com
 ``cli`` calls the command it names, ``commands`` holds each command in a module of its own,
 and ``inventory`` gathers what ``gpu-sandbox gpus`` lists.
 """
+
+import gpuhost  # noqa: F401  (first: this project's packages are its own, gpuhost.ownnames)

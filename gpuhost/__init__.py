@@ -5,3 +5,7 @@ lease registry, CDI specs, and the simulated GPU host. It imports no driver: dri
 register what the layer must ask them (the liveness of their lease holders) through
 ``gpuhost.leases.register_liveness`` or entry points.
 """
+
+from gpuhost import ownnames
+
+ownnames.install()

@@ -189,6 +189,13 @@ def select(spec: SandboxSpec, driver: str) -> DriverRequest:
     )
 
 
+HOST_REGISTRY = "host registry"
+"""The contract leases a sandbox's GPUs from the host-wide registry (``gpuhost.leases``)."""
+DRIVER_SCHEDULER = "driver"
+"""The driver's own scheduler chooses and frees them; the contract leases nothing."""
+ALLOCATORS = (HOST_REGISTRY, DRIVER_SCHEDULER)
+
+
 @dataclass(frozen=True)
 class DriverCapabilities:
     """What a driver declares it can do; the validator and the catalogue read it."""
@@ -219,8 +226,14 @@ class DriverCapabilities:
     host_filesystem: bool = False
     """Its sandboxes see the host's files at their own paths, read-only (a jail, not an
     image): the suite's own interpreter can run inside, where ``Driver.sees`` says so."""
+    allocated_by: str = HOST_REGISTRY
+    """Who chooses a sandbox's GPUs and holds them (``ALLOCATORS``): the host-wide lease
+    registry, through the contract (``Driver.allocate``, released at close and reap), or the
+    driver's own scheduler (a cluster's device plugin), which frees them itself."""
 
     def __post_init__(self) -> None:
+        if self.allocated_by not in ALLOCATORS:
+            raise ValueError(f"allocated_by {self.allocated_by!r} is not one of {ALLOCATORS}")
         object.__setattr__(self, "id_forms", idforms.check_forms(self.id_forms))
         other = self.other_vendor_id_forms
         if other is not None:

@@ -19,9 +19,7 @@ from drivers.kubernetes import KubernetesDriver
 from drivers.podman import PodmanDriver
 from drivers.reference import ReferenceDriver
 from drivers.vm import VmDriver
-from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
-from gpuhost.spec import GpuPlan
 
 
 class NotStarted(Exception):
@@ -32,13 +30,11 @@ class Offline(Driver):
     """A driver that starts nothing."""
 
     allocations = 0
-    """How many times ``create`` went as far as taking GPUs."""
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        self.allocations += 1
-        return super().allocate(sandbox_id, plan)
+    """How many times ``create`` went as far as ``start``: past taking GPUs, or (where a
+    scheduler allocates) as far as asking for them."""
 
     def start(self, launch: Launch) -> NoReturn:
+        self.allocations += 1
         raise NotStarted(launch.sandbox_id)
 
 

@@ -365,7 +365,7 @@ class ContainerDriver(Driver):
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted(self.session_containers(session_id))
 
-    def reap(self, session_id: str) -> list[str]:
+    def remove_session(self, session_id: str) -> list[str]:
         found = self.session_containers(session_id)
         for container_id in found.values():
             self.remove_container(container_id)
@@ -377,9 +377,8 @@ class ContainerDriver(Driver):
             what=f"{self.name} to remove the containers of session {session_id}",
             hint=f"see `{self.cli} ps --all --filter label={SESSION_LABEL}={session_id}`",
         )
-        released = self.host.leases.release_session(session_id, driver=self.name)
         remove_session(self.keepalive_dir(), session_id)
-        return sorted(set(found) | {lease.sandbox_id for lease in released})
+        return list(found)
 
     def explain(self, exc: Exception) -> str:
         """The engine's own words for a refused call."""

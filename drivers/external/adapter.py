@@ -21,7 +21,7 @@ from drivers.external.manifest import Manifest
 from drivers.external.process import ExternalDriverError, command_env
 from gpuhost.devices import GpuDevice
 from gpuhost.idforms import ids_of
-from gpuhost.spec import DriverCapabilities, GpuPlan
+from gpuhost.spec import DRIVER_SCHEDULER, HOST_REGISTRY, DriverCapabilities, GpuPlan
 
 REAP_POLL_S = 0.2
 
@@ -47,6 +47,7 @@ class ExternalDriver(Driver):
             mig_profiles=caps.get("mig", False),
             vendors=tuple(caps.get("vendors", ("nvidia",))),
             config_keys=tuple(self.manifest.driver_config),
+            allocated_by=HOST_REGISTRY if self.manifest.host_registry else DRIVER_SCHEDULER,
         )
 
     @functools.cached_property
@@ -106,20 +107,9 @@ class ExternalDriver(Driver):
         # The table in the manifest's forms (not capabilities': its count asks for the IDs).
         return ids_of(gpu, self.manifest.capabilities.get("idForms", ()))
 
-    # -- whose allocation it is ----------------------------------------------------------
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        if self.manifest.host_registry:
-            return super().allocate(sandbox_id, plan)
-        return ()  # the driver chooses: nothing is leased here
-
-    def abandon(self, sandbox_id: str) -> None:
-        if self.manifest.host_registry:
-            super().abandon(sandbox_id)
-
     # -- the session's end ---------------------------------------------------------------
 
-    def reap(self, session_id: str) -> list[str]:
+    def remove_session(self, session_id: str) -> list[str]:
         found = left = self.sandboxes(session_id)
         deadline = time.monotonic() + self.manifest.timeouts["reap"]
         # Again until list shows none: a CLI may remove only some at a time (podman 4.3's
@@ -134,12 +124,7 @@ class ExternalDriver(Driver):
                 f"{self.name} reap of session {session_id} left sandboxes {left}: list still "
                 f"shows them after {self.manifest.timeouts['reap']:g} s"
             )
-        released = (
-            self.host.leases.release_session(session_id, driver=self.name)
-            if self.manifest.host_registry
-            else []
-        )
-        return sorted(set(found) | {lease.sandbox_id for lease in released})
+        return found
 
     @abstractmethod
     def reap_once(self, session_id: str) -> None:

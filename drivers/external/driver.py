@@ -87,7 +87,7 @@ class TemplatesDriver(ExternalDriver):
 
     # -- the create sequence's hooks -----------------------------------------------------
 
-    def plan(self, request: DriverRequest) -> GpuPlan | None:
+    def validate(self, request: DriverRequest) -> GpuPlan | None:
         for key, declared in self.manifest.driver_config.items():
             if key in request.config:
                 value = request.config[key]
@@ -98,6 +98,10 @@ class TemplatesDriver(ExternalDriver):
                         request.field(key), value,
                         f"{request.field(key)} must be a {declared.type}, got {shown(value)}",
                     )  # fmt: skip
+        return super().validate(request)
+
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
+        """The contract's plan, then the create argv rendered dry: what it refuses, refused."""
         plan = super().plan(request)
         gpus = plan.gpus if plan is not None else ()
         self.create_argv(Launch(DRY_RUN_ID, request, plan, gpus, lambda holder: None))

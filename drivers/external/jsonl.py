@@ -138,7 +138,7 @@ class JsonlDriver(ExternalDriver):
 
     # -- the create sequence: the driver plans, validates and allocates ---------------------
 
-    def plan(self, request: Any) -> None:
+    def validate(self, request: Any) -> None:
         return None  # the request goes to the driver as given: its refusals are its own
 
     def start(self, launch: Launch) -> JsonlSandbox:

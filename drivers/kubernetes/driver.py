@@ -64,7 +64,7 @@ from gpuhost.errors import (
     UnknownImage,
 )
 from gpuhost.host import GpuHost
-from gpuhost.spec import DriverCapabilities, DriverRequest, GpuPlan, block_field
+from gpuhost.spec import DRIVER_SCHEDULER, DriverCapabilities, DriverRequest, GpuPlan, block_field
 from gpuhost.wait import wait_for
 
 INVENTORY_ANNOTATION = LABEL_PREFIX + "gpus"
@@ -98,6 +98,7 @@ class KubernetesDriver(ClusterDriver):
             exact_ids=False,
             exact_id_forms="none: a pod gets the GPUs its node's device plugin picks",
             config_keys=OPTION_KEYS,
+            allocated_by=DRIVER_SCHEDULER,  # the scheduler and the node's device plugin
         )
 
     @functools.cached_property
@@ -199,13 +200,9 @@ class KubernetesDriver(ClusterDriver):
         """None: listings show the IDs a request may name, and a pod names none."""
         return ()
 
-    def plan(self, request: DriverRequest) -> GpuPlan | None:
+    def validate(self, request: DriverRequest) -> GpuPlan | None:
         check_options(request.config, block_field(self.name))
-        return super().plan(request)
-
-    def allocate(self, sandbox_id: str, plan: GpuPlan) -> tuple[GpuDevice, ...]:
-        """Nothing here: the scheduler and the node's device plugin allocate."""
-        return ()
+        return super().validate(request)
 
     def start(self, launch: Launch) -> Sandbox:
         count = 0 if launch.plan is None else launch.plan.count
@@ -419,8 +416,8 @@ class KubernetesDriver(ClusterDriver):
             if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
         )
 
-    def reap(self, session_id: str) -> list[str]:
+    def remove_session(self, session_id: str) -> list[str]:
         pods = self.session_pods(session_id)
         if pods:
             self.delete_pods([pod["metadata"]["name"] for pod in pods])
-        return sorted(pod["metadata"]["labels"][SANDBOX_LABEL] for pod in pods)
+        return [pod["metadata"]["labels"][SANDBOX_LABEL] for pod in pods]

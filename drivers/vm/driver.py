@@ -432,13 +432,12 @@ class VmDriver(Driver):
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted({sandbox for sandbox, _ in QEMU_PROCESSES.find(session_id)})
 
-    def reap(self, session_id: str) -> list[str]:
+    def remove_session(self, session_id: str) -> list[str]:
         reaped = QEMU_PROCESSES.reap(session_id)
         self.passthrough.reconcile()
-        released = self.host.leases.release_session(session_id, driver=self.name)
         if not self.run_dir_refused:
             shutil.rmtree(self.run_dir / "sandboxes" / session_id, ignore_errors=True)
-        return sorted({*reaped, *(x.sandbox_id for x in released)})
+        return reaped
 
 
 def _boot_args(state: Path | None, devices: Sequence[QemuDevice]) -> list[str]:

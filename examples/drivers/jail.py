@@ -139,14 +139,13 @@ class JailDriver(Driver):
     def sandboxes(self, session_id: str) -> list[str]:
         return sorted(set(_jails(session_id).values()))
 
-    def reap(self, session_id: str) -> list[str]:
+    def remove_session(self, session_id: str) -> list[str]:
         found = _jails(session_id)
         for pid in found:  # kill_if pins the pid: it kills that process, or none
             kill_if(pid, lambda pid: pid in _jails(session_id))
         wait_for(lambda: _jails(session_id), lambda left: not left, timeout_s=TIMEOUT_S,
                  what=f"the jails of session {session_id} to exit")  # fmt: skip
-        released = self.host.leases.release_session(session_id, driver=self.name)
-        return sorted({*found.values(), *(lease.sandbox_id for lease in released)})
+        return list(found.values())
 
 
 class Jail(Sandbox):

@@ -64,11 +64,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _run(driver: Driver, flags: GpuFlags, args: argparse.Namespace) -> int:
     """Check, create, run, close: the request model's rules before the driver is probed."""
-    from gpuhost.spec import parse_spec, select
-    from gpuhost.validation import validate_gpu_request
+    from gpuhost.spec import parse_spec
 
     spec = parse_spec(request_data(args, flags, driver))
-    validate_gpu_request(select(spec, driver.name), driver.capabilities)
+    driver.check_request(spec, resolve=False)
     availability = driver.probe()
     if not availability.ok:
         raise CommandError(

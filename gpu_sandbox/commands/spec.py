@@ -21,13 +21,12 @@ if TYPE_CHECKING:
     from drivers.base import Driver
     from gpu_sandbox.flags import GpuFlags
     from gpuhost.errors import RequestError
-    from gpuhost.spec import DriverRequest, GpuPlan
+    from gpuhost.spec import GpuPlan, SandboxSpec
 
 
 def spec_command(args: argparse.Namespace) -> int:
     from gpuhost.errors import RequestError
-    from gpuhost.spec import parse_spec, select
-    from gpuhost.validation import validate_gpu_request
+    from gpuhost.spec import parse_spec
 
     flags = gpu_flags(args)
     driver = open_driver(args, f"{PROG}-spec")
@@ -35,10 +34,10 @@ def spec_command(args: argparse.Namespace) -> int:
     report["valid"] = False
     try:
         report["spec"] = data = request_data(args, flags, driver)
-        request = select(parse_spec(data), driver.name)
-        report["received"] = request.to_dict()
-        plan = validate_gpu_request(request, driver.capabilities)
-        report.update(valid=True, plan=_plan_json(plan), **_resolved(request, driver))
+        spec = parse_spec(data)
+        report["received"] = driver.select(spec).to_dict()  # shown when a check refuses it too
+        _, plan = driver.check_request(spec, resolve=False)
+        report.update(valid=True, plan=_plan_json(plan), **_resolved(spec, driver))
     except RequestError as exc:
         report["error"] = _error_json(exc, flags, driver)
         _print_spec(report, args.json)
@@ -47,7 +46,7 @@ def spec_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolved(request: DriverRequest, driver: Driver) -> dict[str, Any]:
+def _resolved(spec: SandboxSpec, driver: Driver) -> dict[str, Any]:
     """The devices the request names on this host, from the driver's whole ``plan``.
 
     Exact IDs are resolved as the driver resolves them, which may need its engine: when it
@@ -56,7 +55,7 @@ def _resolved(request: DriverRequest, driver: Driver) -> dict[str, Any]:
     from gpuhost.errors import RequestError
 
     try:
-        plan = driver.plan(request)
+        _, plan = driver.check_request(spec)
     except RequestError:
         raise
     except Exception as exc:  # an engine that does not answer, in any client's words

@@ -18,12 +18,12 @@ from typing import ClassVar
 from conformance.endings import CREATOR, ENDINGS, FROM_OUTSIDE, INIT, KILL, OOM, OUTERMOST
 from conformance.test_reap import NEIGHBOUR_FORMS
 from drivers import reference
-from drivers.base import Launch, Sandbox
+from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.leases import Holder, LeaseOwner, process_running
 from gpuhost.procfs import each_process
-from gpuhost.spec import SHARED, GpuPlan, SandboxSpec
+from gpuhost.spec import SHARED, GpuPlan
 from gpuhost.wait import wait_for
 from tests.breakers.base import BrokenDriver, family
 
@@ -286,10 +286,9 @@ class ReapsOnlyItsOwn(BrokenDriver):
 
     BREAKS = "SANDBOX-REAP-01"
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
-        sandbox = super().create(spec)
-        _CREATED_HERE.add(sandbox.id)
-        return sandbox
+    def start(self, launch: Launch) -> ReferenceSandbox:
+        _CREATED_HERE.add(launch.sandbox_id)
+        return super().start(launch)
 
     def reap(self, session_id: str) -> list[str]:
         mine = [s for s in self.sandboxes(session_id) if s in _CREATED_HERE]

@@ -10,11 +10,10 @@ import itertools
 import os
 
 from conformance.forms import EXACT_FORMS, form_of
-from drivers.base import Launch, Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
 from gpuhost.leases import Holder, LeaseOwner
-from gpuhost.spec import GpuPlan, SandboxSpec, select
+from gpuhost.spec import DriverRequest, GpuPlan, SandboxSpec
 from tests.breakers.base import BrokenDriver, class_name, family
 
 
@@ -40,24 +39,8 @@ class SandboxIdsPerInstance(BrokenDriver):
         super().__init__(host, session_id, image)
         self._ids = itertools.count(1)
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
-        # The base create, with a counter of its own for the unique id.
-        request = select(spec, self.name)
-        plan = self.plan(request)
-        sandbox_id = f"{self.name}-{next(self._ids)}"
-        gpus = () if plan is None else self.allocate(sandbox_id, plan)
-
-        def hand_over(holder: Holder) -> None:
-            self.host.leases.set_holder(sandbox_id, holder)
-
-        try:
-            sandbox = self.start(Launch(sandbox_id, request, plan, gpus, hand_over))
-            if gpus:
-                hand_over(sandbox.holder)
-        except BaseException:
-            self.abandon(sandbox_id)
-            raise
-        return sandbox
+    def new_sandbox_id(self) -> str:
+        return f"{self.name}-{next(self._ids)}"
 
 
 class WrongDeviceForExactId(BrokenDriver):
@@ -75,11 +58,11 @@ class PrefersFirstBlock(BrokenDriver):
 
     BREAKS = "GPU-EXACT-01"
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
+    def select(self, spec: SandboxSpec) -> DriverRequest:
         if len(spec.driver_config) > 1:
             first = next(iter(spec.driver_config.values()))
             spec = dataclasses.replace(spec, driver_config={self.name: first})
-        return super().create(spec)
+        return super().select(spec)
 
 
 class SecondIdLowestFree(BrokenDriver):

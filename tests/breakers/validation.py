@@ -23,7 +23,6 @@ from conformance.bad_requests import (
     block_name,
     sharing_near_miss,
 )
-from drivers.base import Sandbox
 from gpuhost.devices import GpuDevice
 from gpuhost.errors import DuplicateGpuDevice, GpusExhausted, InvalidDriverConfig, InvalidGpuCount
 from gpuhost.leases import EXCLUSIVE, Holder, LeaseOwner
@@ -39,7 +38,6 @@ from gpuhost.spec import (
     GpuPlan,
     GpuRequest,
     SandboxSpec,
-    select,
 )
 from tests.breakers.base import BrokenDriver, class_name, family
 
@@ -144,14 +142,14 @@ class LeakOnInvalidRequest(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-02"
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
+    def plan(self, request: DriverRequest) -> GpuPlan | None:
         early = f"early-{uuid.uuid4().hex}"
         owner = LeaseOwner(self.name, early, self.session_id, Holder.process(os.getpid()))
         with contextlib.suppress(GpusExhausted):
             self.host.leases.acquire(self.inventory(), owner, count=1)
-        self.plan(select(spec, self.name))
+        plan = super().plan(request)
         self.host.leases.release(early)
-        return super().create(spec)
+        return plan
 
 
 class CoercesCount(BrokenDriver):
@@ -290,14 +288,14 @@ def _sizes_the_default_from(whose: str) -> type[BrokenDriver]:
         )
         BREAKS = "GPU-VALIDATE-01"
 
-        def create(self, spec: SandboxSpec) -> Sandbox:
+        def select(self, spec: SandboxSpec) -> DriverRequest:
             ids = spec.driver_config.get(block_name(whose, self.name), {}).get(DEVICE_IDS_KEY)
             gpu = spec.gpu
             unsized = gpu is not None and gpu.count is None
             if unsized and self.name not in spec.driver_config and isinstance(ids, tuple | list):
                 assert gpu is not None
                 spec = dataclasses.replace(spec, gpu=GpuRequest(len(ids), gpu.sharing))
-            return super().create(spec)
+            return super().select(spec)
 
     SizesTheDefault.__name__ = SizesTheDefault.__qualname__ = (
         f"SizesTheDefaultFromBlockOf{_part(whose)}"
@@ -315,12 +313,12 @@ def _reads_the_block_of(whose: str) -> type[BrokenDriver]:
         __doc__ = f"GPU-VALIDATE-01: without a block of its own, it takes {whose}'s as its own."
         BREAKS = "GPU-VALIDATE-01"
 
-        def create(self, spec: SandboxSpec) -> Sandbox:
+        def select(self, spec: SandboxSpec) -> DriverRequest:
             config = dict(spec.driver_config)
             other = block_name(whose, self.name)
             if self.name not in config and other in config:
                 config[self.name] = config.pop(other)
-            return super().create(dataclasses.replace(spec, driver_config=config))
+            return super().select(dataclasses.replace(spec, driver_config=config))
 
     ReadsTheBlock.__name__ = ReadsTheBlock.__qualname__ = f"ReadsTheBlockOf{_part(whose)}"
     return ReadsTheBlock
@@ -362,8 +360,8 @@ class TakesTheOnlyBlock(BrokenDriver):
 
     BREAKS = "GPU-VALIDATE-01"
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
+    def select(self, spec: SandboxSpec) -> DriverRequest:
         if len(spec.driver_config) == 1 and self.name not in spec.driver_config:
             only = next(iter(spec.driver_config.values()))
             spec = dataclasses.replace(spec, driver_config={self.name: only})
-        return super().create(spec)
+        return super().select(spec)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from conformance.observe import COMMAND_PATHS
 from conformance.test_visibility import GPU_NODE_PLACES
-from drivers.base import Launch, Sandbox
+from drivers.base import Launch
 from drivers.reference import ReferenceSandbox
 from gpuhost.devices import SIMULATED_DRM_MAJOR, DeviceNode, GpuDevice
 from gpuhost.spec import (
@@ -61,10 +61,10 @@ class OtherBlocksImplyARequest(BrokenDriver):
 
     BREAKS = "GPU-NONE-01"
 
-    def create(self, spec: SandboxSpec) -> Sandbox:
+    def select(self, spec: SandboxSpec) -> DriverRequest:
         if spec.gpu is None and any(DEVICE_IDS_KEY in b for b in spec.driver_config.values()):
             spec = dataclasses.replace(spec, gpu=GpuRequest())
-        return super().create(spec)
+        return super().select(spec)
 
 
 class AllGpusOnDefault(BrokenDriver):
