@@ -213,6 +213,12 @@ bench-vm: venv vm-image
 bench-kubernetes: venv cluster
 	$(BIN)/python -m bench.kubernetes $(BENCH_ARGS)
 
+# The cluster node by node: the kubernetes lane on one node against two side by side, a
+# second node added for it (bench/nodes.py; BENCH_ARGS=--runs=3).
+.PHONY: bench-nodes
+bench-nodes: venv cluster
+	$(BIN)/python -m bench.nodes $(BENCH_ARGS)
+
 # Matmul and copy payloads in a reference sandbox vs the bare host; CPU mode without a GPU.
 bench-workloads: venv host-packages
 	$(BIN)/python -m bench.workloads $(BENCH_ARGS)

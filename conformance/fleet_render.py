@@ -27,7 +27,13 @@ ORDER: tuple[Status, ...] = ("failed", "partial", "skipped", "not run", "passed"
 
 
 def host_line(host: Host) -> str:
-    return visible(f"{host.name}: {gpus_of(host.results.header)}")
+    return visible(f"{host.name}: {gpus_of(host.results.header)}{runs_on(host)}")
+
+
+def runs_on(host: Host) -> str:
+    """``; node 127.0.0.2 of ...``: where a run pinned to a cluster's node ran, or ""."""
+    where = host.results.header.get("runs_on")
+    return f"; {where}" if where else ""
 
 
 def counts(cell: FleetCell) -> str:
@@ -107,7 +113,8 @@ def _host_row(fleet: Fleet, number: int, host: Host) -> str:
     return (
         f'<tr id="host-{number}"><th scope="row">{_e(host.name)}<span class="source" '
         f'title="{_e(host.source)}">{_e(source)}</span></th>'
-        f'<td class="gpus{simulated}">{_e(gpus_of(host.results.header))}</td>{"".join(cells)}</tr>'
+        f'<td class="gpus{simulated}">{_e(gpus_of(host.results.header) + runs_on(host))}</td>'
+        f"{''.join(cells)}</tr>"
     )
 
 

@@ -34,12 +34,16 @@ import hmac
 import json
 import os
 import socket
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance import requirements
 from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost
+
+if TYPE_CHECKING:
+    from drivers.base import Elsewhere
 
 APP_ID = b"gpu-sandbox-conformance host identity"
 MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
@@ -94,15 +98,38 @@ def header(host: GpuHost) -> dict[str, Any]:
     }
 
 
+def header_elsewhere(place: Elsewhere) -> dict[str, Any]:
+    """``header`` of the place a driver's sandboxes run (a cluster's node), in the host's."""
+    ids = [*place.identity, *(gpu.uuid for gpu in place.gpus)]
+    return {
+        "catalogue": catalogue_version(),
+        "host_id": host_id("", place.name, ids),
+        "gpus": gpu_groups_of(
+            place.gpus, (), lambda vendor: "simulated" if place.simulated else place.kernel_driver
+        ),
+    }
+
+
 def gpu_groups(host: GpuHost) -> list[dict[str, Any]]:
     """One entry per vendor and model: count, MIG mode and instances, the kernel driver."""
+    return gpu_groups_of(
+        (*host.gpus, *host.dri_gpus),
+        host.mig_devices,
+        lambda vendor: "simulated" if host.simulated else kernel_driver(vendor),
+    )
+
+
+def gpu_groups_of(
+    devices: Sequence[GpuDevice], mig_devices: Sequence[GpuDevice], driver: Callable[[str], str]
+) -> list[dict[str, Any]]:
+    """``gpu_groups`` of these GPUs and MIG instances; ``driver`` names a vendor's driver."""
     groups: dict[tuple[str, str], list[GpuDevice]] = {}
-    for gpu in (*host.gpus, *host.dri_gpus):
+    for gpu in devices:
         groups.setdefault((gpu.vendor, gpu.name), []).append(gpu)
     entries = []
     for (vendor, model), gpus in groups.items():
         uuids = {gpu.uuid for gpu in gpus}
-        instances = [mig for mig in host.mig_devices if mig.parent_uuid in uuids]
+        instances = [mig for mig in mig_devices if mig.parent_uuid in uuids]
         profiles = collections.Counter(mig.profile for mig in instances)
         entries.append(
             {
@@ -111,7 +138,7 @@ def gpu_groups(host: GpuHost) -> list[dict[str, Any]]:
                 "count": len(gpus),
                 "mig_gpus": sum(gpu.mig_enabled for gpu in gpus),
                 "mig_instances": dict(sorted(profiles.items())),
-                "driver": "simulated" if host.simulated else kernel_driver(vendor),
+                "driver": driver(vendor),
             }
         )
     return entries

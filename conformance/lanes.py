@@ -78,6 +78,15 @@ class Lane:
     _results: list[Results | None] = field(default_factory=list)
 
     @property
+    def driver(self) -> str:
+        """The one driver its run judges."""
+        return self.name
+
+    def options(self, at_once: int) -> list[str]:
+        """What its pytest run is given beside the runner's arguments and its reports."""
+        return [f"--lane={self.name}", f"--lanes-at-once={at_once}"]
+
+    @property
     def log(self) -> Path:
         return self.directory / f"{self.name}.log"
 
@@ -98,8 +107,7 @@ class Lane:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self.fd)
         command = [
-            sys.executable, "-m", "pytest", *pytest_args, f"--lane={self.name}",
-            f"--lanes-at-once={at_once}",
+            sys.executable, "-m", "pytest", *pytest_args, *self.options(at_once),
             f"--conformance-json={self.json}", f"--junitxml={self.junit}",
             "-o", f"junit_suite_name=conformance-{self.name}",
         ]  # fmt: skip
@@ -129,7 +137,7 @@ class Lane:
         except (NotPrivate, NotStrict, InvalidResults) as exc:
             self.refused = f"{self.json}: {exc}"
             return None
-        others = sorted({*results.drivers, *(t["driver"] for t in results.tests)} - {self.name})
+        others = sorted({*results.drivers, *(t["driver"] for t in results.tests)} - {self.driver})
         if others:
             self.refused = f"{self.json}: results of drivers not of this lane: {', '.join(others)}"
             return None
@@ -179,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(lanes)} lanes, {min(args.jobs, len(lanes))} at a time, each on a simulated "
         f"host of its own; their output in {directory}/<lane>.log"
     )
-    _run(lanes, pytest_args, args.jobs)
+    run_lanes(lanes, pytest_args, args.jobs)
     return _report(lanes, args)
 
 
@@ -215,7 +223,7 @@ def _say(line: str) -> None:
     print(f"lanes: {line}", flush=True)  # noqa: T201
 
 
-def _run(lanes: list[Lane], pytest_args: Sequence[str], jobs: int) -> None:
+def run_lanes(lanes: list[Lane], pytest_args: Sequence[str], jobs: int) -> None:
     """Run the lanes, the longest first, ``jobs`` at a time; a signal stops them all."""
     env = {k: v for k, v in os.environ.items() if k != "GITHUB_STEP_SUMMARY"}  # the runner's
     order = sorted(lanes, key=lambda lane: _rank(lane.name))

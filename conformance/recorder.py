@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -17,7 +18,7 @@ from conformance import identity, requirements
 from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
 from conformance.report import Entry, Results, entry
 from conformance.settings import Settings, driver_of, gpu_properties, settings_key
-from drivers.base import Driver
+from drivers.base import Driver, Elsewhere
 
 
 class Recorder:
@@ -100,18 +101,30 @@ def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
     host = settings.host
     golden = requirements.load()
     gpus = gpu_properties(host)
+    header = {
+        "session": settings.session_id,
+        "simulated": host.simulated is not None,
+        "host": host.describe(),
+        "hostname": socket.gethostname(),
+        "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu_model": gpus["gpu_model"],
+        "gpu_count": gpus["gpu_count"],
+        "require_complete": config.getoption("--require-complete"),
+        **identity.header(host),
+    }
+    place = _runs_on(settings)
+    if place is not None:
+        header.update(
+            simulated=place.simulated,
+            host=place.description,
+            runs_on=place.description,
+            hostname=place.name,
+            gpu_model=", ".join(sorted({gpu.name for gpu in place.gpus})),
+            gpu_count=len(place.gpus),
+            **identity.header_elsewhere(place),
+        )
     return Results(
-        header={
-            "session": settings.session_id,
-            "simulated": host.simulated is not None,
-            "host": host.describe(),
-            "hostname": socket.gethostname(),
-            "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu_model": gpus["gpu_model"],
-            "gpu_count": gpus["gpu_count"],
-            "require_complete": config.getoption("--require-complete"),
-            **identity.header(host),
-        },
+        header=header,
         drivers={
             name: {"version": _version(cls, settings), "explicit": settings.explicit}
             for name, cls in settings.drivers.items()
@@ -126,6 +139,18 @@ def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
         ],
         tests=list(entries),
     )
+
+
+def _runs_on(settings: Settings) -> Elsewhere | None:
+    """Where the one driver a run judged runs its sandboxes, when that is not this host."""
+    if len(settings.drivers) != 1:
+        return None
+    (cls,) = settings.drivers.values()
+    try:
+        return cls(settings.host, settings.session_id, settings.image).runs_on()
+    except Exception as exc:  # a report must not be lost to a driver's bug
+        sys.stderr.write(f"gpu-sandbox: where {cls.name} runs is unknown: {exc}\n")
+        return None
 
 
 def _version(cls: type[Driver], settings: Settings) -> str:

@@ -354,7 +354,10 @@ RESULTS_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "required": ["session", "simulated", "host", "drivers", "requirements", "tests"],
     "properties": {
-        **{key: _TEXT for key in ("session", "host", "hostname", "generated", "gpu_model")},
+        **{
+            key: _TEXT
+            for key in ("session", "host", "hostname", "generated", "gpu_model", "runs_on")
+        },
         "simulated": {"type": "boolean"},
         "require_complete": {"type": "boolean"},
         "gpu_count": {"type": "integer", "minimum": 0},

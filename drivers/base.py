@@ -111,6 +111,26 @@ def client_library(module: str, extra: str) -> Availability | None:
 
 
 @dataclass(frozen=True)
+class Elsewhere:
+    """Where a driver's sandboxes run when that is not this host: a cluster's node.
+
+    Reports name it, and its GPUs, in the host's place.
+    """
+
+    name: str
+    """Its name: the report's hostname."""
+    description: str
+    """What it is, and what hands out its GPUs (a node's device plugins' resources)."""
+    gpus: tuple[GpuDevice, ...]
+    identity: tuple[str, ...]
+    """What makes it itself beside its GPUs, for the report's host identity (a cluster's
+    server and the node's uid)."""
+    simulated: bool
+    kernel_driver: str
+    """Its GPUs' kernel driver and its version, as far as it says (or ``simulated``)."""
+
+
+@dataclass(frozen=True)
 class Launch:
     """What ``Driver.start`` gets: everything decided before the sandbox exists."""
 
@@ -257,16 +277,21 @@ class Driver(ABC):
         raise NotImplementedError(f"{cls.__name__} names no holder kind of its own")
 
     def catalogue_turn(self) -> contextlib.AbstractContextManager[None]:
-        """What a catalogue run holds while it runs this driver's lane.
+        """What a catalogue run holds while it runs this driver's lane, so that runs take turns.
 
-        It is held so that runs sharing what the driver hands out take turns. Entering it
-        may wait for another run (saying so on stderr), and raises when the turn does not
-        come in time; exiting gives the turn back, whatever the lane did. By default there is
-        nothing to wait for: a host's GPUs go through its lease registry, and the runs of one
-        real host take turns already (the conformance plugin's run lock). A driver whose GPUs
-        belong to something every run shares, a cluster, overrides it.
+        Entering may wait for another run (saying so on stderr), and raises when the turn
+        does not come in time. Nothing by default: a host's runs take turns already (the
+        plugin's run lock); a driver whose GPUs every run shares (a cluster) overrides it.
         """
         return contextlib.nullcontext()
+
+    def runs_on(self) -> Elsewhere | None:
+        """Where its sandboxes run, when that is not this host; None (this host) by default.
+
+        A run that judges this driver alone reports that place as its host (a kubernetes
+        run pinned to a node reports the node).
+        """
+        return None
 
     def version(self) -> str:
         """What the driver runs on, for reports (e.g. ``bubblewrap 0.8.0``); "" if unknown.

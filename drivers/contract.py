@@ -9,7 +9,7 @@ project keeps stable. docs/writing-a-driver.md names each of them
 
 from __future__ import annotations
 
-from drivers.base import Availability, Driver, Launch
+from drivers.base import Availability, Driver, Elsewhere, Launch
 from drivers.commands import DEFAULT_EXEC_TIMEOUT_S, Command, CommandTimedOut, ExecResult, Output
 from drivers.sandbox import Sandbox
 from gpuhost.devices import GpuDevice
@@ -42,6 +42,7 @@ __all__ = [
     "Driver",
     "DriverCapabilities",
     "DriverRequest",
+    "Elsewhere",
     "ExecResult",
     "ExecTimeout",
     "GpuDevice",

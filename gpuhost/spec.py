@@ -189,11 +189,9 @@ def select(spec: SandboxSpec, driver: str) -> DriverRequest:
     )
 
 
-HOST_REGISTRY = "host registry"
-"""The contract leases a sandbox's GPUs from the host-wide registry (``gpuhost.leases``)."""
-DRIVER_SCHEDULER = "driver"
-"""The driver's own scheduler chooses and frees them; the contract leases nothing."""
+HOST_REGISTRY, DRIVER_SCHEDULER = "host registry", "driver"
 ALLOCATORS = (HOST_REGISTRY, DRIVER_SCHEDULER)
+"""Who allocates a sandbox's GPUs: ``DriverCapabilities.allocated_by``."""
 
 
 @dataclass(frozen=True)
@@ -227,9 +225,8 @@ class DriverCapabilities:
     """Its sandboxes see the host's files at their own paths, read-only (a jail, not an
     image): the suite's own interpreter can run inside, where ``Driver.sees`` says so."""
     allocated_by: str = HOST_REGISTRY
-    """Who chooses a sandbox's GPUs and holds them (``ALLOCATORS``): the host-wide lease
-    registry, through the contract (``Driver.allocate``, released at close and reap), or the
-    driver's own scheduler (a cluster's device plugin), which frees them itself."""
+    """Who chooses and holds a sandbox's GPUs: the host-wide lease registry, through the
+    contract (``Driver.allocate``), or the driver's own scheduler (a cluster's)."""
 
     def __post_init__(self) -> None:
         if self.allocated_by not in ALLOCATORS:

@@ -17,6 +17,13 @@
 #   scripts/cluster.sh stop      stop what start started, by pid, and undo what kubelet and
 #                                containerd changed on the host (mounts, netns, bridge, cgroups)
 #   scripts/cluster.sh status    whether the cluster answers (exit 0/1)
+#   scripts/cluster.sh add-node NAME GPUS [--leaky]
+#                                a node more, on this machine: a kubelet named by a loopback
+#                                address of its own (127.0.0.2, ...), with a containerd, a
+#                                simulated host of GPUS GPUs and a device plugin of its own
+#                                (--leaky: a planted one that injects every GPU)
+#   scripts/cluster.sh remove-node NAME, nodes
+#                                take it away again (stop takes them all); list them
 #
 # The admin kubeconfig is $STATE/kubeconfig; kubectl is $STATE/bin/kubectl (the `kubectl` on
 # PATH may be something else entirely).
@@ -234,7 +241,10 @@ install_all() {
 
 ETCD_PORT=12379
 APISERVER_PORT=6443
-CTR_SOCK=$STATE/containerd/containerd.sock
+CTR_DIR=$STATE/containerd
+CTR_SOCK=$CTR_DIR/containerd.sock
+CNI_DIR=$STATE/cni
+RUNC_ROOT=$STATE/runc
 # The kubelet of 1.20 keeps its device plugin sockets here whatever its --root-dir.
 PLUGIN_DIR=/var/lib/kubelet/device-plugins
 # Host paths the kubelet or containerd create when missing; `stop` removes those that
@@ -375,13 +385,14 @@ start_control_plane() {
 }
 
 write_containerd_config() {
-  mkdir -p "$STATE/containerd" "$STATE/cni/net.d" "$STATE/runc"
+  # A containerd of its own, its CNI network and runc state under CTR_DIR, CNI_DIR, RUNC_ROOT.
+  mkdir -p "$CTR_DIR" "$CNI_DIR/net.d" "$RUNC_ROOT"
   # restrict_oom_score_adj: runc cannot lower oom_score_adj on a machine without
   # CAP_SYS_RESOURCE (every sandbox failed with `failed to update /proc/self/oom_score_adj`).
-  cat >"$STATE/containerd/config.toml" <<EOF
+  cat >"$CTR_DIR/config.toml" <<EOF
 version = 2
-root = "$STATE/containerd/root"
-state = "$STATE/containerd/state"
+root = "$CTR_DIR/root"
+state = "$CTR_DIR/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
 
@@ -389,7 +400,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   address = "$CTR_SOCK"
 
 [plugins."io.containerd.internal.v1.opt"]
-  path = "$STATE/containerd/opt"
+  path = "$CTR_DIR/opt"
 
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "docker.io/library/$PAUSE_IMAGE"
@@ -401,15 +412,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "$STATE/runc"
+        Root = "$RUNC_ROOT"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "$STATE/cni/net.d"
+    conf_dir = "$CNI_DIR/net.d"
 EOF
   # A bridge of its own on a private range, with no address on the host's side and no
   # route: a pod reaches neither the host nor anything beyond it (the runtime needs an eth0;
   # exec and logs go through the kubelet, not the pod's network).
-  cat >"$STATE/cni/net.d/10-$NET_NAME.conflist" <<EOF
+  cat >"$CNI_DIR/net.d/10-$NET_NAME.conflist" <<EOF
 {
   "cniVersion": "0.4.0",
   "name": "$NET_NAME",
@@ -423,7 +434,7 @@ EOF
       "ipam": {
         "type": "host-local",
         "ranges": [[{"subnet": "$POD_CIDR"}]],
-        "dataDir": "$STATE/cni/ipam"
+        "dataDir": "$CNI_DIR/ipam"
       }
     }
   ]
@@ -480,19 +491,19 @@ import_images() {
 start_containerd() {
   write_containerd_config
   local pid
-  pid=$(spawn containerd containerd --config "$STATE/containerd/config.toml")
+  pid=$(spawn containerd containerd --config "$CTR_DIR/config.toml")
   wait_for containerd containerd_ready "$pid"
   import_images
 }
 
-start_kubelet() {
-  mkdir -p "$STATE/kubelet"
-  cat >"$STATE/kubelet.yaml" <<EOF
+kubelet_config() {
+  # kubelet_config ADDRESS: a kubelet's configuration, serving on ADDRESS alone.
+  cat <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: $1
 readOnlyPort: 0
-healthzBindAddress: 127.0.0.1
+healthzBindAddress: $1
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: false}
@@ -512,6 +523,11 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 50Mi, nodefs.available: 1%, imagefs.available: 1%}
 EOF
+}
+
+start_kubelet() {
+  mkdir -p "$STATE/kubelet"
+  kubelet_config 127.0.0.1 >"$STATE/kubelet.yaml"
   local pid
   pid=$(spawn kubelet "$STATE/bin/kubelet" --config "$STATE/kubelet.yaml" \
     --kubeconfig "$STATE/kubeconfig" --root-dir "$STATE/kubelet" \
@@ -543,6 +559,7 @@ publish_gpus() {
   leaky=$("$PYTHON" -m gpuhost.simulated show --json --root "$STATE/sim-leaky")
   kubectl annotate node "$NODE" --overwrite \
     "gpu-sandbox.dev/gpus={\"nvidia.com/gpu\": $gpus, \"gpu-sandbox.test/leaky-gpu\": $leaky}" >/dev/null
+  kubectl label node "$NODE" --overwrite gpu-sandbox.dev/simulated=true >/dev/null
 }
 
 node_ready() {
@@ -588,6 +605,137 @@ start() {
   publish_gpus
   log "node $NODE Ready with nvidia.com/gpu: $GPUS, gpu-sandbox.test/leaky-gpu: $LEAKY_GPUS in $(since "$t") s"
   log "cluster up in $(since "$t0") s; kubectl: $STATE/bin/kubectl --kubeconfig $STATE/kubeconfig"
+}
+
+# ------------------------------------------------------------------- more nodes
+# A node more on this machine: a kubelet, a containerd and a device plugin of its own, with a
+# simulated GPU host of its own. The kubelet of 1.20 keeps its device plugin sockets in
+# /var/lib/kubelet/device-plugins whatever its --root-dir, and reads container logs from
+# /var/log/pods: the node's kubelet and containerd run in a mount namespace of their own in
+# which those are the node's directories. Its name is a loopback address of its own
+# (127.0.0.2, ...): the apiserver reaches a kubelet at its node's name, and the kubelet
+# serves there alone. Its pods' cgroups are under a cgroup root of its own, so that neither
+# kubelet takes the other's pods for orphans.
+
+node_dir() { echo "$STATE/nodes/$1"; }
+node_cgroup() { echo "gpu-sandbox-node-$1"; }
+node_number() { echo "${1##*.}"; }
+
+node_gpus_ready() {
+  # node_gpus_ready NAME GPUS: the node is Ready with GPUS nvidia.com/gpu allocatable.
+  local got
+  got=$(kubectl get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status} {.status.allocatable.nvidia\.com/gpu}' 2>/dev/null) || return 1
+  [ "$got" = "True $2" ]
+}
+
+adding_containerd_ready() { ctr --address "$ADDING_SOCK" version >/dev/null 2>&1; }
+adding_node_ready() { node_gpus_ready "$ADDING_NODE" "$ADDING_GPUS"; }
+
+add_node() {
+  # add_node NAME GPUS [--leaky]: --leaky plants a device plugin that injects every GPU of
+  # the node's host, whatever the pod was given.
+  local name=${1:-} gpus=${2:-} leaky=${3:-} t
+  t=$(now)
+  [[ $name =~ ^127\.0\.0\.([2-9]|[1-9][0-9])$ ]] || die "add-node: NAME is a loopback address 127.0.0.2 to 127.0.0.99 (got '$name')"
+  [[ $gpus =~ ^[1-9][0-9]?$ ]] || die "add-node: GPUS is a number of GPUs, 1 to 99 (got '$gpus')"
+  case "$leaky" in "" | --leaky) ;; *) die "add-node: unknown option '$leaky' (--leaky)" ;; esac
+  answers || die "add-node: the cluster does not answer: start it first (scripts/cluster.sh start)"
+  local dir number cgroup proto
+  dir=$(node_dir "$name")
+  number=$(node_number "$name")
+  cgroup=$(node_cgroup "$name")
+  [ ! -e "$dir" ] || die "add-node: node $name is there already (scripts/cluster.sh remove-node $name)"
+  mkdir -p "$dir"/{kubelet,device-plugins,log/pods,log/containers} /var/lib/kubelet/device-plugins /var/log/pods /var/log/containers
+  # The node's cgroup root, in each v1 hierarchy: cpuset's needs its CPUs and memory nodes.
+  local hierarchy
+  for hierarchy in /sys/fs/cgroup/*/; do
+    [ -f "$hierarchy/cgroup.procs" ] || continue
+    mkdir -p "$hierarchy$cgroup"
+    if [ -f "$hierarchy/cpuset.cpus" ]; then
+      cat "$hierarchy/cpuset.cpus" >"$hierarchy$cgroup/cpuset.cpus"
+      cat "$hierarchy/cpuset.mems" >"$hierarchy$cgroup/cpuset.mems"
+    fi
+  done
+  (
+    CTR_DIR=$dir/containerd CTR_SOCK=$dir/containerd/containerd.sock CNI_DIR=$dir/cni
+    RUNC_ROOT=$dir/runc NET_NAME=$NET_NAME-$number BRIDGE=gpusbx$number
+    POD_CIDR=10.$((234 + number)).0.0/16
+    write_containerd_config
+  )
+  {
+    kubelet_config "$name"
+    echo "port: $((10250 + 10 * number))"
+    echo "healthzPort: $((10248 + 10 * number))"
+    echo "cgroupRoot: /$cgroup"
+  } >"$dir/kubelet.yaml"
+  # In the node's own mount namespace: its directories over the kubelet's fixed paths, its
+  # containerd, then its kubelet (the namespace goes with them).
+  cat >"$dir/run.sh" <<EOF
+set -e
+mount --bind "$dir/device-plugins" /var/lib/kubelet/device-plugins
+mount --bind "$dir/log/pods" /var/log/pods
+mount --bind "$dir/log/containers" /var/log/containers
+containerd --config "$dir/containerd/config.toml" >"$STATE/node-$name-containerd.log" 2>&1 </dev/null &
+echo \$! >"$STATE/node-$name-containerd.pid"
+exec "$STATE/bin/kubelet" --config "$dir/kubelet.yaml" --kubeconfig "$STATE/kubeconfig" \
+  --root-dir "$dir/kubelet" --cert-dir "$dir/kubelet/pki" \
+  --container-runtime remote --container-runtime-endpoint "unix://$dir/containerd/containerd.sock" \
+  --hostname-override "$name" --node-labels gpu-sandbox.dev/node="$name" --v 1
+EOF
+  local pid
+  pid=$(spawn "node-$name-kubelet" unshare --mount --propagation private bash "$dir/run.sh")
+  # wait_for's checks take no arguments, and its locals hide the caller's: globals, then.
+  ADDING_SOCK=$dir/containerd/containerd.sock ADDING_NODE=$name ADDING_GPUS=$gpus
+  wait_for "node-$name-kubelet" adding_containerd_ready "$pid"
+  CTR_SOCK=$ADDING_SOCK import_images
+  proto=$(proto_dir)
+  "$PYTHON" -m gpuhost.simulated setup --root "$dir/sim" --count "$gpus" >/dev/null
+  local inject=()
+  [ -z "$leaky" ] || inject=(--inject all)
+  spawn "node-$name-device-plugin" "$PYTHON" -m gpuhost.simulated.device_plugin \
+    --sim-root "$dir/sim" --resource nvidia.com/gpu --proto-dir "$proto" "${inject[@]}" \
+    --socket-dir "$dir/device-plugins" >/dev/null
+  wait_for "node-$name-kubelet" adding_node_ready "$pid"
+  local published
+  published=$("$PYTHON" -m gpuhost.simulated show --json --root "$dir/sim")
+  kubectl annotate node "$name" --overwrite "gpu-sandbox.dev/gpus={\"nvidia.com/gpu\": $published}" >/dev/null
+  kubectl label node "$name" --overwrite gpu-sandbox.dev/simulated=true >/dev/null
+  log "node $name Ready with nvidia.com/gpu: $gpus${leaky:+ (a planted device plugin: it injects every GPU)} in $(since "$t") s"
+}
+
+remove_node() {
+  # remove_node NAME: stop the node, remove its pods' containers, undo what it changed.
+  local name=$1 dir number cgroup
+  dir=$(node_dir "$name")
+  [ -d "$dir" ] || die "remove-node: no node $name (scripts/cluster.sh nodes)"
+  number=$(node_number "$name")
+  cgroup=$(node_cgroup "$name")
+  stop_pids "node-$name-device-plugin" "node-$name-kubelet"
+  CTR_SOCK=$dir/containerd/containerd.sock remove_containers
+  stop_pids "node-$name-containerd"
+  local ns
+  while read -r ns; do
+    [ -e "$ns" ] && { rm -f "$ns" 2>/dev/null || log "could not remove $ns"; }
+  done < <(sort -u "$STATE/netns" 2>/dev/null)
+  ip link delete "gpusbx$number" 2>/dev/null || true
+  rm -f /var/lib/cni/results/"$NET_NAME-$number"-* 2>/dev/null || true
+  local hierarchy
+  for hierarchy in /sys/fs/cgroup/*/; do
+    [ -d "$hierarchy$cgroup" ] || continue
+    find "$hierarchy$cgroup" -depth -type d -exec rmdir {} + 2>/dev/null || log "cgroups left in $hierarchy$cgroup"
+  done
+  answers && kubectl delete node "$name" --wait=false >/dev/null 2>&1 || true
+  [ -d "$dir/sim" ] && "$PYTHON" -m gpuhost.simulated teardown --root "$dir/sim" >/dev/null
+  rm -rf "$dir" "$STATE/node-$name"-*.log
+  log "node $name removed"
+}
+
+nodes() {
+  local dir
+  for dir in "$STATE"/nodes/*/; do
+    [ -d "$dir" ] && basename "$dir"
+  done
+  return 0
 }
 
 # ---------------------------------------------------------------------------- stop
@@ -685,6 +833,8 @@ undo_host_changes() {
 
 stop() {
   [ -d "$STATE" ] || return 0
+  local name
+  for name in $(nodes); do remove_node "$name"; done
   stop_pids device-plugin device-plugin-leaky kubelet kube-scheduler kube-controller-manager
   remove_containers
   stop_pids containerd kube-apiserver
@@ -713,5 +863,8 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) die "usage: $0 install|start|stop|status" ;;
+  add-node) shift; add_node "$@" ;;
+  remove-node) shift; remove_node "${1:-}" ;;
+  nodes) nodes ;;
+  *) die "usage: $0 install|start|stop|status|add-node NAME GPUS [--leaky]|remove-node NAME|nodes" ;;
 esac

@@ -12,8 +12,10 @@ the local cluster's, when it exists, else ``~/.kube/config``), ``GPU_SANDBOX_K8S
 ``GPU_SANDBOX_K8S_NAMESPACE`` (default ``gpu-sandbox``, one for every session: see
 ``cluster.py``), ``GPU_SANDBOX_K8S_RESOURCE`` (default ``nvidia.com/gpu``),
 ``GPU_SANDBOX_K8S_START_TIMEOUT_S`` (default 120), ``GPU_SANDBOX_K8S_TURN_TIMEOUT_S``
-(default 600). Per sandbox, ``template.driver_config.kubernetes`` takes ``runtime_class_name``,
-``node_selector`` and ``image`` (``options.py``).
+(default 600), ``GPU_SANDBOX_K8S_NODE`` (every pod to that node: a run that judges the
+cluster node by node, ``conformance.nodes``). Per sandbox,
+``template.driver_config.kubernetes`` takes ``runtime_class_name``, ``node_selector`` and
+``image`` (``options.py``).
 """
 
 from drivers.images import DEFAULT_IMAGE

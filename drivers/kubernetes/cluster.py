@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 DEFAULT_NAMESPACE = "gpu-sandbox"
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 DELETE_TIMEOUT_S = 60.0
+NODE_ENV = "GPU_SANDBOX_K8S_NODE"
+"""A node's name: every pod goes to that node, and the driver's GPUs are that node's."""
 
 
 class ClusterDriver(Driver):
@@ -44,6 +46,8 @@ class ClusterDriver(Driver):
         super().__init__(host, session_id, image)
         self.namespace = os.environ.get("GPU_SANDBOX_K8S_NAMESPACE") or DEFAULT_NAMESPACE
         self.resource = os.environ.get("GPU_SANDBOX_K8S_RESOURCE") or DEFAULT_RESOURCE
+        self.node = os.environ.get(NODE_ENV) or None
+        """The one node its pods go to, where a run judges a cluster node by node."""
         self._namespace_ready = threading.Lock()
         self._namespace_made = False
 
@@ -91,7 +95,12 @@ class ClusterDriver(Driver):
         return client.CoreV1Api(self.api_client())
 
     def nodes(self) -> list[dict[str, Any]]:
-        return list(json_body(self.core.list_node(_preload_content=False))["items"])
+        """The cluster's nodes; the one it is pinned to (``node``) alone, where it is."""
+        if self.node is None:
+            return list(json_body(self.core.list_node(_preload_content=False))["items"])
+        field = f"metadata.name={self.node}"
+        nodes = self.core.list_node(field_selector=field, _preload_content=False)
+        return list(json_body(nodes)["items"])
 
     def pods(self) -> list[dict[str, Any]]:
         pods = self.core.list_pod_for_all_namespaces(_preload_content=False)

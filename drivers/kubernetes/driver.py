@@ -33,10 +33,18 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, cast
 
-from drivers.base import Availability, Command, CommandTimedOut, Launch, Sandbox, client_library
+from drivers.base import (
+    Availability,
+    Command,
+    CommandTimedOut,
+    Elsewhere,
+    Launch,
+    Sandbox,
+    client_library,
+)
 from drivers.images import DEFAULT_IMAGE
 from drivers.kubernetes.api import LOCAL_KUBECONFIG, json_body, said
-from drivers.kubernetes.cluster import ClusterDriver
+from drivers.kubernetes.cluster import NODE_ENV, ClusterDriver
 from drivers.kubernetes.exec import ignore
 from drivers.kubernetes.options import OPTION_KEYS, check_options
 from drivers.kubernetes.pods import (
@@ -52,6 +60,7 @@ from drivers.kubernetes.turn import (
     TURN_DURATION_S,
     TURN_TIMEOUT_S,
     CatalogueTurn,
+    node_lease,
 )
 from drivers.labels import DRIVER_LABEL, LABEL_PREFIX, SANDBOX_LABEL, SESSION_LABEL
 from gpuhost import environ, strict
@@ -67,6 +76,10 @@ from gpuhost.host import GpuHost
 from gpuhost.spec import DRIVER_SCHEDULER, DriverCapabilities, DriverRequest, GpuPlan, block_field
 from gpuhost.wait import wait_for
 
+SIMULATED_LABEL = LABEL_PREFIX + "simulated"
+"""A node label: ``true`` where the node's GPUs are simulated (the local cluster's)."""
+DRIVER_VERSION_LABEL = "nvidia.com/cuda.driver-version.full"
+"""GPU feature discovery's node label of the NVIDIA driver's version."""
 INVENTORY_ANNOTATION = LABEL_PREFIX + "gpus"
 """A node's GPUs by resource name, as JSON: ``{"nvidia.com/gpu": [<gpus_to_json>]}``."""
 START_TIMEOUT_S = 120.0
@@ -85,7 +98,7 @@ class KubernetesDriver(ClusterDriver):
         super().__init__(host, session_id, image)
         self.start_timeout_s = environ.seconds("GPU_SANDBOX_K8S_START_TIMEOUT_S", START_TIMEOUT_S)
         self.turn_timeout_s = environ.seconds("GPU_SANDBOX_K8S_TURN_TIMEOUT_S", TURN_TIMEOUT_S)
-        self.turn_lease = CATALOGUE_LEASE
+        self.turn_lease = CATALOGUE_LEASE if self.node is None else node_lease(self.node)
         self.turn_duration_s = TURN_DURATION_S
         self._known_gpus: dict[str, GpuDevice] = {}
 
@@ -109,6 +122,11 @@ class KubernetesDriver(ClusterDriver):
             return 8
         return max(counts, default=0) or 8
 
+    def gpu_nodes(self, nodes: list[dict[str, Any]] | None = None) -> list[str]:
+        """The names of the nodes (of ``nodes()``) with allocatable GPUs of ``resource``."""
+        nodes = self.nodes() if nodes is None else nodes
+        return [node["metadata"]["name"] for node in nodes if self._allocatable(node)]
+
     def _allocatable(self, node: Mapping[str, Any]) -> int:
         return int((node.get("status", {}).get("allocatable") or {}).get(self.resource) or 0)
 
@@ -126,8 +144,14 @@ class KubernetesDriver(ClusterDriver):
                 f"or ~/.kube/config (found: {type(exc).__name__}: {exc}); start the local one "
                 "with `make cluster`, or point KUBECONFIG at yours",
             )
-        with_gpus = [node["metadata"]["name"] for node in nodes if self._allocatable(node)]
+        with_gpus = self.gpu_nodes(nodes)
         where = f"{cluster.kubeconfig} (context {cluster.context or 'none'}, server {version})"
+        if self.node is not None and not nodes:
+            return Availability(
+                False,
+                f"needed the node {self.node!r} ({NODE_ENV}) in the cluster of {where} (found "
+                "no node of that name)",
+            )
         if not with_gpus:
             return Availability(
                 False,
@@ -135,6 +159,37 @@ class KubernetesDriver(ClusterDriver):
                 f"(found {len(nodes)} nodes, none with it: is the device plugin running?)",
             )
         return Availability(True, f"{where}: {self.resource} on {', '.join(with_gpus)}")
+
+    def runs_on(self) -> Elsewhere | None:
+        """The node a pinned driver's pods go to (``GPU_SANDBOX_K8S_NODE``), else None.
+
+        Its GPUs, its device plugins' resources (allocatable), and its GPUs' driver as GPU
+        feature discovery labels it (``simulated`` where the local cluster labels it so).
+        """
+        if self.node is None:
+            return None
+        nodes = self.nodes()
+        if not nodes:
+            raise LookupError(f"the cluster has no node {self.node!r} ({NODE_ENV})")
+        meta, status = nodes[0]["metadata"], nodes[0].get("status", {})
+        labels = meta.get("labels") or {}
+        allocatable = status.get("allocatable") or {}
+        resources = [f"{key} {allocatable[key]}" for key in sorted(allocatable) if "/" in key]
+        kubelet = status.get("nodeInfo", {}).get("kubeletVersion", "unknown")
+        version = labels.get(DRIVER_VERSION_LABEL)
+        return Elsewhere(
+            name=meta["name"],
+            description=(
+                f"node {meta['name']} of {self.configuration.host} (kubelet {kubelet}); its "
+                f"device plugins' resources: {', '.join(resources) or 'none'}"
+            ),
+            gpus=self.inventory(),
+            identity=(self.configuration.host, str(meta.get("uid", ""))),
+            simulated=labels.get(SIMULATED_LABEL) == "true",
+            kernel_driver=f"nvidia {version}"
+            if version
+            else f"unknown (no {DRIVER_VERSION_LABEL})",
+        )
 
     def _server_version(self) -> str:
         from kubernetes import client
@@ -146,6 +201,9 @@ class KubernetesDriver(ClusterDriver):
 
         Each catalogue test expects every GPU of the cluster free; runs sharing the cluster
         (a second ``make conformance`` on the machine, another CI job) wait for it in turn.
+        A run pinned to a node (``GPU_SANDBOX_K8S_NODE``) expects that node's free, and takes
+        its turn on the node's own Lease: runs on other nodes go side by side (the runner of
+        such runs, ``conformance.nodes``, holds the cluster's meanwhile).
         """
         from kubernetes import client
 
@@ -226,6 +284,7 @@ class KubernetesDriver(ClusterDriver):
             gpus=count,
             runtime_class_name=block.get("runtime_class_name"),
             node_selector=block.get("node_selector"),
+            node=self.node,
             security_context=self.security_context,
         )
         try:

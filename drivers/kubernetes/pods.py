@@ -47,6 +47,7 @@ def pod_manifest(
     gpus: int,
     runtime_class_name: str | None = None,
     node_selector: Mapping[str, str] | None = None,
+    node: str | None = None,
     security_context: Mapping[str, Any] = MappingProxyType({}),
 ) -> dict[str, Any]:
     """The pod of one sandbox, as the API takes it.
@@ -54,7 +55,8 @@ def pod_manifest(
     No service account token, no service links, no host namespaces, and its container's
     ``security_context`` (``SECURITY_CONTEXT`` by default: no privilege, no capability,
     no-new-privileges, the runtime's default seccomp profile); the GPU limit only when GPUs
-    are asked for (extended resources are requested by their limit).
+    are asked for (extended resources are requested by their limit). ``node``: the pod goes
+    to that node alone, by its name, through the scheduler (as a DaemonSet's pods do).
     """
     container: dict[str, Any] = {
         "name": "sandbox",
@@ -77,6 +79,17 @@ def pod_manifest(
         spec["runtimeClassName"] = runtime_class_name
     if node_selector:
         spec["nodeSelector"] = dict(node_selector)
+    if node:
+        on_the_node = {
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]
+        }
+        spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [on_the_node]
+                }
+            }
+        }
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -9,6 +9,7 @@ while it runs the lane, and another run waits for it, up to
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import time
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
 
 CATALOGUE_LEASE = "gpu-sandbox-catalogue"
 """The Lease a catalogue run holds while it runs the lane: one run at a time per cluster."""
+
+
+def node_lease(node: str) -> str:
+    """The Lease of the runs pinned to ``node``: a name of the API's rules (253 at most)."""
+    name = f"{CATALOGUE_LEASE}-node-{node}"
+    if len(name) <= 253:
+        return name
+    return f"{CATALOGUE_LEASE}-node-{hashlib.sha256(node.encode()).hexdigest()[:32]}"
+
+
 TURN_DURATION_S = 15
 """How long a turn outlives its holder's last renewal (renewed every third of it): a run that
 crashed gives its turn up by itself within 15 s, and a stall of seconds loses nothing."""

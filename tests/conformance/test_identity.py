@@ -10,7 +10,9 @@ import pytest
 
 from conformance import identity, requirements
 from conformance.render import gpus_of
+from drivers.base import Elsewhere
 from gpuhost import simulated
+from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost, HostConfig
 
 MACHINE = "0123456789abcdef0123456789abcdef"
@@ -93,3 +95,27 @@ def test_the_kernel_driver_is_named_with_its_version(tmp_path: Path) -> None:
     (tmp_path / "amdgpu").mkdir()
     assert identity.kernel_driver("amd", tmp_path).startswith("amdgpu in Linux ")
     assert identity.kernel_driver("intel", tmp_path) == "no driver loaded"
+
+
+def test_a_place_elsewhere_is_named_by_itself_its_gpus_and_what_makes_it_itself() -> None:
+    """A run pinned to a cluster's node reports the node: its GPUs, its identity, its driver."""
+    gpus = tuple(
+        GpuDevice(index=i, uuid=f"GPU-{i}", name="NVIDIA L4", pci_bus_id="") for i in range(2)
+    )
+    node = Elsewhere("node-a", "node node-a of https://api", gpus, ("https://api", "uid-1"),
+                     simulated=False, kernel_driver="nvidia 550.54.15")  # fmt: skip
+    header = identity.header_elsewhere(node)
+    assert header["gpus"] == [
+        {"vendor": "nvidia", "model": "NVIDIA L4", "count": 2, "mig_gpus": 0,
+         "mig_instances": {}, "driver": "nvidia 550.54.15"},
+    ]  # fmt: skip
+    same = identity.header_elsewhere(dataclasses.replace(node, description="said otherwise"))
+    assert same["host_id"] == header["host_id"]
+    for other in (
+        dataclasses.replace(node, name="node-b"),
+        dataclasses.replace(node, identity=("https://api", "uid-2")),  # the node made anew
+        dataclasses.replace(node, gpus=gpus[:1]),
+    ):
+        assert identity.header_elsewhere(other)["host_id"] != header["host_id"]
+    simulated_node = identity.header_elsewhere(dataclasses.replace(node, simulated=True))
+    assert simulated_node["gpus"][0]["driver"] == "simulated"
