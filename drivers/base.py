@@ -316,7 +316,7 @@ class Driver(ABC):
     def _create_sequence(self, spec: SandboxSpec) -> Sandbox:
         request, plan = self.check_request(spec)
         sandbox_id = self.new_sandbox_id()
-        registry = plan is not None and self.capabilities.allocated_by == HOST_REGISTRY
+        registry = self.capabilities.allocated_by == HOST_REGISTRY
         gpus = self.allocate(sandbox_id, plan) if registry and plan is not None else ()
         handed: list[Holder] = []
 
