@@ -54,7 +54,7 @@ def get_driver_class(name: str) -> type[Driver]:
             raise UnknownDriver(f"driver {name!r}: {exc}") from exc
 
     target = REGISTRY.get(name, name)
-    module_name, sep, class_name = target.rpartition(":")
+    module_name, sep, class_name = target.partition(":")
     if not sep or not module_name or not class_name:
         raise UnknownDriver(
             f"unknown driver {name!r}; known: {', '.join(REGISTRY)}, an import path such as "
