@@ -17,7 +17,7 @@ import pytest
 from conformance import identity, requirements
 from conformance.render import NOTHING_RAN, matrix_lines, skip_lines, to_markdown, write
 from conformance.report import Entry, Results, entry
-from conformance.settings import Settings, driver_of, gpu_properties, settings_key
+from conformance.settings import Settings, driver_of, gpu_model, gpu_properties, settings_key
 from drivers.base import Driver, Elsewhere
 
 
@@ -119,7 +119,7 @@ def results_of(config: pytest.Config, entries: list[Entry]) -> Results:
             host=place.description,
             runs_on=place.description,
             hostname=place.name,
-            gpu_model=", ".join(sorted({gpu.name for gpu in place.gpus})),
+            gpu_model=gpu_model(place.gpus),
             gpu_count=len(place.gpus),
             **identity.header_elsewhere(place),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from conformance.bounds import DriverPace
 from drivers import REGISTRY, UnknownDriver, get_driver_class
 from drivers.base import Driver
+from gpuhost.devices import GpuDevice
 from gpuhost.host import GpuHost, HostConfig
 
 
@@ -90,10 +92,15 @@ def driver_of(item: pytest.Item) -> str | None:
     return params.params.get("driver") if params else None
 
 
+def gpu_model(gpus: Iterable[GpuDevice]) -> str:
+    """The models of ``gpus``, as a report names them: sorted, once each."""
+    return ", ".join(sorted({gpu.name for gpu in gpus}))
+
+
 def gpu_properties(host: GpuHost) -> dict[str, Any]:
     """What a report says of the host's GPUs."""
     return {
-        "gpu_model": ", ".join(sorted({gpu.name for gpu in host.gpus})),
+        "gpu_model": gpu_model(host.gpus),
         "gpu_count": len(host.gpus),
         "simulated": "true" if host.simulated else "false",
     }
