@@ -17,9 +17,11 @@ import (
 )
 
 // killMarked SIGKILLs every process whose environment holds needle, until none is left.
+// It looks again a millisecond later, then less often: a process killed a moment ago is
+// usually gone by then (a zombie's environ reads empty), and a kill at a timeout is timed.
 func killMarked(needle string) {
 	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
+	for wait := time.Millisecond; time.Now().Before(deadline); wait *= 2 {
 		found := marked(needle)
 		if len(found) == 0 {
 			return
@@ -27,7 +29,10 @@ func killMarked(needle string) {
 		for _, pid := range found {
 			syscall.Kill(pid, syscall.SIGKILL)
 		}
-		time.Sleep(20 * time.Millisecond)
+		if wait > 20*time.Millisecond {
+			wait = 20 * time.Millisecond
+		}
+		time.Sleep(wait)
 	}
 }
 
