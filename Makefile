@@ -25,7 +25,7 @@ CLUSTER := scripts/cluster.sh
 
 .PHONY: conformance test test-stress lint bench bench-engines bench-workloads venv host-packages \
 	test-packages simulated-host engines engines-stop clean vm-image vm-lane bench-vm \
-	cluster cluster-stop
+	cluster cluster-stop job-image
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { \
@@ -118,6 +118,16 @@ cluster: $(BIN)/.installed
 
 cluster-stop:
 	@$(CLUSTER) stop
+
+# The catalogue's own image, for running it as a Job on each GPU node (python -m
+# conformance.job; docs/drivers/kubernetes.md): built from this machine's Python and the
+# project (scripts/cluster/job_image.py), imported into every node of the local cluster.
+JOB_IMAGE := build/gpu-sandbox-catalogue.oci.tar
+job-image: venv cluster
+	@mkdir -p build
+	@$(BIN)/python scripts/cluster/job_image.py \
+	  --name docker.io/library/gpu-sandbox-catalogue:latest --out $(JOB_IMAGE)
+	@$(CLUSTER) import-image $(JOB_IMAGE)
 
 # The vm lane's QEMU and guest image (scripts/vm-image.sh): QEMU, cpio, busybox-static and
 # lz4 from Debian when missing (root), Debian's cloud kernel extracted (never installed) and

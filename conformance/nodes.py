@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conformance import fleet_render, identity
@@ -66,19 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, not {args.jobs}")
     if any(arg.startswith(("--driver", "--lane")) for arg in pytest_args):
         parser.error("--driver and --lane are the runner's: each node's run is the kubernetes lane")
-    driver = KubernetesDriver(GpuHost.open(HostConfig()), f"nodes-{uuid.uuid4().hex[:12]}")
-    availability = driver.probe()
-    if not availability.ok:
-        parser.exit(
-            EXIT_USAGE, f"nodes: the kubernetes driver cannot run here: {availability.reason}\n"
-        )
-    gpu_nodes = driver.gpu_nodes()
-    names = [name.strip() for name in args.nodes.split(",")] if args.nodes else gpu_nodes
-    unknown = sorted(set(names) - set(gpu_nodes))
-    if unknown:
-        parser.error(
-            f"--nodes: no GPU node {', '.join(unknown)} (GPU nodes: {', '.join(gpu_nodes)})"
-        )
+    driver, names = chosen_nodes(parser, "nodes", args.nodes)
     directory = args.out / "nodes"
     directory.mkdir(parents=True, exist_ok=True)
     try:
@@ -92,20 +80,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _report(runs, args.out)
 
 
+def chosen_nodes(
+    parser: argparse.ArgumentParser, runner: str, nodes: str | None
+) -> tuple[KubernetesDriver, list[str]]:
+    """The cluster's driver and the GPU nodes ``--nodes`` names (default: every one)."""
+    driver = KubernetesDriver(GpuHost.open(HostConfig()), f"{runner}-{uuid.uuid4().hex[:12]}")
+    availability = driver.probe()
+    if not availability.ok:
+        parser.exit(
+            EXIT_USAGE, f"{runner}: the kubernetes driver cannot run here: {availability.reason}\n"
+        )
+    gpu_nodes = driver.gpu_nodes()
+    names = [name.strip() for name in nodes.split(",")] if nodes else gpu_nodes
+    unknown = sorted(set(names) - set(gpu_nodes))
+    if unknown:
+        parser.error(
+            f"--nodes: no GPU node {', '.join(unknown)} (GPU nodes: {', '.join(gpu_nodes)})"
+        )
+    return driver, names
+
+
 def _report(runs: list[NodeRun], out: Path) -> int:
     """The fleet report of the nodes' reports; a node without one is named and fails."""
-    missing = [run for run in runs if run.results() is None]
-    for run in missing:
-        why = f"its report refused ({run.refused})" if run.refused else "no report"
-        _say(f"node {run.name}: FAILED: {why}; see {run.log}")
-    reported = [run.json for run in runs if run not in missing]
+    missing = {}
+    for run in runs:
+        if run.results() is None:
+            why = f"its report refused ({run.refused})" if run.refused else "no report"
+            missing[run.name] = f"{why}; see {run.log}"
+    reported = [run.json for run in runs if run.name not in missing]
+    return fleet_report(reported, missing, out, _say)
+
+
+def fleet_report(
+    reported: list[Path], missing: dict[str, str], out: Path, say: Callable[[str], None]
+) -> int:
+    """The nodes' reports merged into ``out``; the gate's exit status.
+
+    A node ``missing`` a report (its name: why) fails the run.
+    """
+    for name, why in missing.items():
+        say(f"node {name}: FAILED: {why}")
     if not reported:
-        _say("no node's run left a report")
+        say("no node's run left a report")
         return EXIT_GATE_FAILS
     try:
         fleet = load(reported)
     except FleetError as exc:
-        _say(f"refused: {exc}")
+        say(f"refused: {exc}")
         return EXIT_GATE_FAILS
     paths = fleet_render.write(fleet, out)
     lines = fleet_render.text_lines(fleet, identity.catalogue_version())

@@ -17,6 +17,9 @@
 #   scripts/cluster.sh stop      stop what start started, by pid, and undo what kubelet and
 #                                containerd changed on the host (mounts, netns, bridge, cgroups)
 #   scripts/cluster.sh status    whether the cluster answers (exit 0/1)
+#   scripts/cluster.sh import-image ARCHIVE
+#                                an OCI image archive (make job-image's) into every node's
+#                                containerd: there is no registry (a node added later: again)
 #   scripts/cluster.sh add-node NAME GPUS [--leaky]
 #                                a node more, on this machine: a kubelet named by a loopback
 #                                address of its own (127.0.0.2, ...), with a containerd, a
@@ -730,6 +733,19 @@ remove_node() {
   log "node $name removed"
 }
 
+import_image() {
+  # import_image ARCHIVE: into the first node's containerd and each added node's.
+  local archive=${1:-} dir
+  [ -f "$archive" ] || die "import-image: no image archive '$archive'"
+  answers || die "import-image: the cluster does not answer: start it first (scripts/cluster.sh start)"
+  ctr_ images import "$archive" >/dev/null
+  for dir in "$STATE"/nodes/*/; do
+    [ -d "$dir" ] || continue
+    CTR_SOCK=$dir/containerd/containerd.sock ctr_ images import "$archive" >/dev/null
+  done
+  log "imported $archive into each node: $(($(nodes | wc -l) + 1))"
+}
+
 nodes() {
   local dir
   for dir in "$STATE"/nodes/*/; do
@@ -866,5 +882,6 @@ case "${1:-}" in
   add-node) shift; add_node "$@" ;;
   remove-node) shift; remove_node "${1:-}" ;;
   nodes) nodes ;;
-  *) die "usage: $0 install|start|stop|status|add-node NAME GPUS [--leaky]|remove-node NAME|nodes" ;;
+  import-image) shift; import_image "${1:-}" ;;
+  *) die "usage: $0 install|start|stop|status|import-image ARCHIVE|add-node NAME GPUS [--leaky]|remove-node NAME|nodes" ;;
 esac

@@ -2,7 +2,9 @@
 
 Where the cluster is: ``KUBECONFIG`` (its first file), else
 ``/run/gpu-sandbox-cluster/kubeconfig``, the local cluster's, when it exists, else
-``~/.kube/config``; ``GPU_SANDBOX_K8S_CONTEXT`` picks a context of it. Calls are made with
+``~/.kube/config``; ``GPU_SANDBOX_K8S_CONTEXT`` picks a context of it. In a pod with none of
+those (the catalogue as a Job, ``conformance.job``), the pod's service account: the
+client's in-cluster configuration. Calls are made with
 ``_preload_content=False`` and their JSON read as it is: no model objects of the client.
 """
 
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any, cast
 
 LOCAL_KUBECONFIG = Path("/run/gpu-sandbox-cluster/kubeconfig")
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+IN_CLUSTER = "in-cluster"
+"""The ``kubeconfig`` a cluster reached through the pod's service account is named by."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,11 @@ def find_kubeconfig() -> Path | None:
         return LOCAL_KUBECONFIG
     default = Path.home() / ".kube" / "config"
     return default if default.exists() else None
+
+
+def in_cluster() -> bool:
+    """In a pod, with its service account's token: the API server is reachable as its own."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and SERVICE_ACCOUNT_TOKEN.exists()
 
 
 def json_body(response: object) -> Any:

@@ -21,7 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 from drivers.base import Driver
-from drivers.kubernetes.api import LOCAL_KUBECONFIG, Cluster, find_kubeconfig, json_body
+from drivers.kubernetes.api import (
+    IN_CLUSTER,
+    LOCAL_KUBECONFIG,
+    Cluster,
+    find_kubeconfig,
+    in_cluster,
+    json_body,
+)
 from drivers.kubernetes.exec import PodExec
 from drivers.kubernetes.pods import MANAGED_BY
 from drivers.labels import DRIVER_LABEL, SESSION_LABEL
@@ -58,10 +65,12 @@ class ClusterDriver(Driver):
         from kubernetes import config
 
         path = find_kubeconfig()
+        if path is None and in_cluster():
+            return Cluster(IN_CLUSTER, "")
         if path is None:
             raise FileNotFoundError(
-                f"no kubeconfig: KUBECONFIG is unset, and neither {LOCAL_KUBECONFIG} nor "
-                "~/.kube/config exists"
+                f"no kubeconfig: KUBECONFIG is unset, neither {LOCAL_KUBECONFIG} nor "
+                "~/.kube/config exists, and this is no pod with a service account token"
             )
         contexts, active = config.list_kube_config_contexts(config_file=str(path))  # type: ignore[no-untyped-call]
         wanted = os.environ.get("GPU_SANDBOX_K8S_CONTEXT") or (active or {}).get("name", "")
@@ -74,11 +83,14 @@ class ClusterDriver(Driver):
         from kubernetes import client, config
 
         configuration = client.Configuration()
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=self.cluster.kubeconfig,
-            context=self.cluster.context or None,
-            client_configuration=configuration,
-        )
+        if self.cluster.kubeconfig == IN_CLUSTER:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=self.cluster.kubeconfig,
+                context=self.cluster.context or None,
+                client_configuration=configuration,
+            )
         # Concurrent creates (the catalogue's threads) each hold a connection.
         configuration.connection_pool_maxsize = 64
         return configuration

@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import io
 import json
+import sys
 import tarfile
 from pathlib import Path
 
@@ -38,16 +39,27 @@ def _file(out: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def pack(
-    name: str, layer: Path, env: list[str], entrypoint: list[str], cmd: list[str], dest: Path
+    name: str,
+    layer: Path,
+    env: list[str],
+    entrypoint: list[str],
+    cmd: list[str],
+    dest: Path,
+    workdir: str = "",
 ) -> None:
     raw = layer.read_bytes()
     compressed = gzip.compress(raw, compresslevel=6, mtime=0)
     config = {
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Env": env, "Entrypoint": entrypoint or None, "Cmd": cmd or None},
+        "config": {
+            "Env": env,
+            "Entrypoint": entrypoint or None,
+            "Cmd": cmd or None,
+            "WorkingDir": workdir,
+        },
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{hashlib.sha256(raw).hexdigest()}"]},
-        "history": [{"created_by": "scripts/cluster/oci_image.py"}],
+        "history": [{"created_by": f"scripts/cluster/{Path(sys.argv[0]).name}"}],
     }
     tmp = dest.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as out:
