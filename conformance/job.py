@@ -77,6 +77,11 @@ RULES = [
 ]
 """What the kubernetes driver and the catalogue ask of the API server, and no more."""
 POLL_S = 2.0
+STUCK = {
+    "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "Unschedulable",
+}  # fmt: skip
+"""Why a pod would wait until the timeout: its node fails now, saying so."""
 PLUGIN_HEADER = """\
 # The GPU sandbox catalogue as a Sonobuoy plugin: the kubernetes lane on each GPU node.
 # Written by `python -m conformance.job sonobuoy-plugin [--image IMAGE]`; run with
@@ -259,9 +264,9 @@ class Runner:
         )
         _made_or_kept(lambda: self.rbac.create_cluster_role_binding(binding))
 
-    def run(self, nodes: list[str]) -> dict[str, str]:
-        """Each node's Job, ``--jobs`` at a time; each node's log by name."""
-        waiting, running, logs = list(nodes), dict[str, float](), dict[str, str]()
+    def run(self, nodes: list[str]) -> dict[str, tuple[str, str]]:
+        """Each node's Job, ``--jobs`` at a time; how each ended and its log, by node."""
+        waiting, running, ended = list(nodes), dict[str, float](), dict[str, tuple[str, str]]()
         deadline = time.monotonic() + self.args.timeout
         try:
             while waiting or running:
@@ -276,16 +281,18 @@ class Runner:
                     _say(f"node {node}: Job {self.name(node)} started")
                 for node in list(running):
                     status = self._status(node)
-                    if status or time.monotonic() > deadline:
-                        logs[node] = self._log(node)
+                    if not status and time.monotonic() > deadline:
+                        status = f"timed out after {self.args.timeout:g} s"
+                    if status:
                         seconds = time.monotonic() - running.pop(node)
-                        _say(f"node {node}: Job {status or 'timed out'} in {seconds:.0f} s")
+                        ended[node] = (f"Job {status} in {seconds:.0f} s", self._log(node))
+                        _say(f"node {node}: {ended[node][0]}")
                         self._delete(node)
                 time.sleep(POLL_S)
         finally:
             for node in running:
                 self._delete(node)
-        return logs
+        return ended
 
     def _status(self, node: str) -> str:
         body = json_body(
@@ -294,23 +301,27 @@ class Runner:
             )
         )
         status = body.get("status") or {}
-        return "succeeded" if status.get("succeeded") else "failed" if status.get("failed") else ""
+        if status.get("succeeded") or status.get("failed"):
+            return "succeeded" if status.get("succeeded") else "failed"
+        pod = self._pod(node)
+        return f"stuck: {stuck(pod)}" if pod and stuck(pod) else ""
 
-    def _log(self, node: str) -> str:
+    def _pod(self, node: str) -> dict[str, Any] | None:
         pods = json_body(
             self.driver.core.list_namespaced_pod(
                 self.namespace, label_selector=f"job-name={self.name(node)}",
                 _preload_content=False,
             )
         )["items"]  # fmt: skip
-        if not pods:
+        return dict(pods[0]) if pods else None
+
+    def _log(self, node: str) -> str:
+        pod = self._pod(node)
+        if pod is None:
             return ""
         try:
-            return str(
-                self.driver.core.read_namespaced_pod_log(
-                    pods[0]["metadata"]["name"], self.namespace
-                )
-            )
+            name = pod["metadata"]["name"]
+            return str(self.driver.core.read_namespaced_pod_log(name, self.namespace))
         except Exception as exc:  # a pod that never started has no log: say why
             return f"no log: {said(exc)}"
 
@@ -324,6 +335,24 @@ class Runner:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def stuck(pod: dict[str, Any]) -> str:
+    """Why ``pod`` cannot start, where it is one of ``STUCK`` (its reason and message)."""
+    status = pod.get("status") or {}
+    waits = [
+        (container.get("state") or {}).get("waiting") or {}
+        for container in status.get("containerStatuses") or []
+    ]
+    unscheduled = [
+        condition
+        for condition in status.get("conditions") or []
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+    ]
+    for why in [*waits, *unscheduled]:
+        if why.get("reason") in STUCK:
+            return f"{why['reason']}: {why.get('message', '')}".rstrip(": ")
+    return ""
 
 
 def _made_or_kept(create: Any, replace: Any = None) -> None:
@@ -377,18 +406,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner.grant()
     _say(f"{len(names)} nodes, {min(args.jobs, len(names))} at a time, image {args.image}")
     with driver.catalogue_turn():
-        logs = runner.run(names)
+        ended = runner.run(names)
     directory = args.out / "nodes"
     reported, missing = [], {}
     for node in names:
-        log = logs.get(node, "")
+        how, log = ended.get(node, ("never started", ""))
         (directory / node).mkdir(parents=True, exist_ok=True)
         (directory / f"{node}.log").write_text(
             "\n".join(line for line in log.splitlines() if not line.startswith(MARKER))
         )
         report = taken(log, directory / node)
         if report is None:
-            missing[node] = f"no report in its pod's log; see {directory / node}.log"
+            missing[node] = f"{how}, no report in its pod's log; see {directory / node}.log"
         else:
             reported.append(report)
     return fleet_report(reported, missing, args.out, _say)

@@ -146,3 +146,32 @@ def test_a_job_per_node_the_planted_node_fails_its_column_only(
         driver.namespace, label_selector=job.RUN_LABEL, _preload_content=False
     )
     assert json_body(jobs)["items"] == []
+
+
+def test_a_pod_that_cannot_start_fails_its_node_at_once_saying_why(tmp_path: Path) -> None:
+    out = tmp_path / "fleet"
+    run = subprocess.run(
+        [sys.executable, "-m", "conformance.job", f"--out={out}",
+         "--image=gpu-sandbox-catalogue:no-such-tag", f"--api-server={API_SERVER}",
+         "--timeout=600", "--sim-gpus=1", "--requirement=GPU-DEFAULT-01"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != NODE_ENV},
+    )  # fmt: skip
+    said = run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 1, said
+    assert "node localhost: Job stuck: ErrImagePull" in run.stdout or (
+        "node localhost: Job stuck: ImagePullBackOff" in run.stdout
+    ), said
+    assert "FAILED: Job stuck" in run.stdout, said
+
+
+def test_a_pod_stuck_is_told_from_one_starting() -> None:
+    waiting = {"state": {"waiting": {"reason": "ContainerCreating"}}}
+    assert job.stuck({"status": {"containerStatuses": [waiting]}}) == ""
+    pulling = {"state": {"waiting": {"reason": "ImagePullBackOff", "message": "no registry"}}}
+    assert (
+        job.stuck({"status": {"containerStatuses": [pulling]}}) == "ImagePullBackOff: no registry"
+    )
+    unscheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    assert job.stuck({"status": {"conditions": [unscheduled]}}) == "Unschedulable"
+    assert job.stuck({}) == ""
