@@ -224,7 +224,8 @@ bench-kubernetes: venv cluster
 	$(BIN)/python -m bench.kubernetes $(BENCH_ARGS)
 
 # The cluster node by node: the kubernetes lane on one node against two side by side, a
-# second node added for it (bench/nodes.py; BENCH_ARGS=--runs=3).
+# second node added for it (bench/nodes.py; BENCH_ARGS=--runs=3; --runner=job for the Jobs
+# in the cluster, after make job-image).
 .PHONY: bench-nodes
 bench-nodes: venv cluster
 	$(BIN)/python -m bench.nodes $(BENCH_ARGS)

@@ -44,6 +44,7 @@ def run_nodes(runner: str, nodes: list[str], pytest_args: list[str]) -> None:
     if done.returncode != 0:
         raise SystemExit(
             f"conformance.{runner} on {nodes}: exit {done.returncode}\n{done.stdout[-3000:]}"
+            f"{done.stderr[-2000:]}"
         )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import io
 import os
@@ -56,9 +57,13 @@ MARKER = "gpu-sandbox-results: "
 """Starts the log line that carries the pod's results archive, base64."""
 REPORTS = ("conformance.json", "junit.xml", "conformance.html", "conformance.md", "output.txt")
 """What a pod's archive may hold; nothing else of it is taken."""
-RULES = [
+CLUSTER_RULES = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "create"]},
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+]
+"""What the driver reads across the cluster: the nodes' GPUs, every pod that holds one."""
+NAMESPACE_RULES = [
     {
         "apiGroups": [""],
         "resources": ["pods", "pods/exec", "pods/log"],
@@ -75,7 +80,7 @@ RULES = [
         "verbs": ["get", "list", "create", "update", "patch", "delete"],
     },
 ]
-"""What the kubernetes driver and the catalogue ask of the API server, and no more."""
+"""What it makes and removes: its sandboxes' pods, their policy, its turn; in its namespace."""
 POLL_S = 2.0
 STUCK = {
     "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
@@ -237,32 +242,35 @@ class Runner:
         from kubernetes import client
 
         self.driver, self.args, self.pytest_args = driver, args, rest
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = uuid.uuid4().hex[:8]
         self.batch = client.BatchV1Api(driver.api_client())
         self.rbac = client.RbacAuthorizationV1Api(driver.api_client())
         self.namespace = driver.namespace
 
     def name(self, node: str) -> str:
-        return f"gpu-sandbox-catalogue-{hashlib.sha256(node.encode()).hexdigest()[:10]}"
+        """The node's Job in this run: a Job of an earlier run may still be going away."""
+        return (
+            f"gpu-sandbox-catalogue-{hashlib.sha256(node.encode()).hexdigest()[:8]}-{self.run_id}"
+        )
 
     def grant(self) -> None:
         """The Jobs' service account, and what it may ask: made once, kept."""
         core, ns = self.driver.core, self.namespace
         self.driver._ensure_namespace()
-        account: Any = {"metadata": {"name": ACCOUNT}}
-        role: Any = {"metadata": {"name": ACCOUNT}, "rules": RULES}
-        binding: Any = {
-            "metadata": {"name": ACCOUNT},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": ACCOUNT},
-            "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": ns}],
-        }  # fmt: skip
-        _made_or_kept(lambda: core.create_namespaced_service_account(ns, account))
+        rbac, partial = self.rbac, functools.partial
+        cluster_role: Any = {"metadata": {"name": ACCOUNT}, "rules": CLUSTER_RULES}
+        role: Any = {"metadata": {"name": ACCOUNT}, "rules": NAMESPACE_RULES}
+        _made_or_kept(partial(core.create_namespaced_service_account, ns, _named(ACCOUNT)))
         _made_or_kept(
-            lambda: self.rbac.create_cluster_role(role),
-            lambda: self.rbac.replace_cluster_role(ACCOUNT, role),
+            partial(rbac.create_cluster_role, cluster_role),
+            partial(rbac.replace_cluster_role, ACCOUNT, cluster_role),
         )
-        _made_or_kept(lambda: self.rbac.create_cluster_role_binding(binding))
+        _made_or_kept(partial(rbac.create_cluster_role_binding, _binding("ClusterRole", ns)))
+        _made_or_kept(
+            partial(rbac.create_namespaced_role, ns, role),
+            partial(rbac.replace_namespaced_role, ACCOUNT, ns, role),
+        )
+        _made_or_kept(partial(rbac.create_namespaced_role_binding, ns, _binding("Role", ns)))
 
     def run(self, nodes: list[str]) -> dict[str, tuple[str, str]]:
         """Each node's Job, ``--jobs`` at a time; how each ended and its log, by node."""
@@ -353,6 +361,19 @@ def stuck(pod: dict[str, Any]) -> str:
         if why.get("reason") in STUCK:
             return f"{why['reason']}: {why.get('message', '')}".rstrip(": ")
     return ""
+
+
+def _named(name: str) -> Any:
+    return {"metadata": {"name": name}}
+
+
+def _binding(kind: str, namespace: str) -> Any:
+    """The account's binding to its role of ``kind`` (ClusterRole or Role)."""
+    return {
+        "metadata": {"name": ACCOUNT},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": ACCOUNT},
+        "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": namespace}],
+    }
 
 
 def _made_or_kept(create: Any, replace: Any = None) -> None:

@@ -10,6 +10,7 @@ The pod leaves its reports as Sonobuoy's plugin contract has them: a results dir
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import json
@@ -19,6 +20,7 @@ import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,6 +43,7 @@ pytestmark = pytest.mark.xdist_group("kubernetes")
 API_SERVER = "127.0.0.1:6443"
 """The local cluster has no service proxy: the Jobs' pods reach it on the host's network."""
 PLUGIN = ROOT / "examples" / "sonobuoy" / "gpu-sandbox-plugin.yaml"
+OWN = "<the driver's namespace>"
 
 
 def _archive(files: dict[str, bytes], links: dict[str, str] | None = None) -> str:
@@ -175,3 +178,42 @@ def test_a_pod_stuck_is_told_from_one_starting() -> None:
     unscheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
     assert job.stuck({"status": {"conditions": [unscheduled]}}) == "Unschedulable"
     assert job.stuck({}) == ""
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "namespace", "allowed"),
+    [
+        ("create", "pods", OWN, True),
+        ("create", "pods/exec", OWN, True),
+        ("list", "pods", "", True),  # every pod that holds a GPU counts
+        ("list", "nodes", "", True),
+        ("create", "pods", "default", False),
+        ("delete", "pods", "kube-system", False),
+        ("get", "secrets", OWN, False),
+        ("patch", "nodes", "", False),
+        ("create", "clusterrolebindings", "", False),
+    ],
+)
+def test_the_jobs_account_makes_pods_in_its_namespace_alone(
+    verb: str, resource: str, namespace: str, allowed: bool, tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    driver = KubernetesDriver(GpuHost.open(HostConfig(state_dir=tmp_path)), "job-rights")
+    job.Runner(driver, argparse.Namespace(), []).grant()
+    namespace = driver.namespace if namespace == OWN else namespace
+    resource, _, subresource = resource.partition("/")
+    group = "rbac.authorization.k8s.io" if resource.startswith("cluster") else ""
+    review: Any = {
+        "spec": {
+            "user": f"system:serviceaccount:{driver.namespace}:{job.ACCOUNT}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{driver.namespace}"],
+            "resourceAttributes": {
+                "verb": verb, "resource": resource, "subresource": subresource,
+                "namespace": namespace, "group": group,
+            },
+        }
+    }  # fmt: skip
+    api = client.AuthorizationV1Api(driver.api_client())
+    answer = json_body(api.create_subject_access_review(review, _preload_content=False))
+    assert answer["status"].get("allowed", False) is allowed, answer["status"]
