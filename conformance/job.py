@@ -217,20 +217,25 @@ def in_pod(pytest_args: Sequence[str]) -> int:
 def taken(log: str, directory: Path) -> Path | None:
     """The pod's reports, from its log, into ``directory``: its JSON report, if any.
 
-    The log is the pod's to write: only the archive's regular files of the names in
-    ``REPORTS`` are taken, each at most ``MAX_REPORT_BYTES``.
+    The log is the pod's to write, and a sandbox's output may be in it: the last marked line
+    is taken (the pod prints it once its run ended), and of its archive only the regular
+    files of the names in ``REPORTS``, each at most ``MAX_REPORT_BYTES``; an archive that does
+    not read gives none.
     """
     lines = [line for line in log.splitlines() if line.startswith(MARKER)]
     if not lines:
         return None
-    data = base64.b64decode(lines[-1][len(MARKER) :], validate=True)
     directory.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        for member in tar.getmembers():
-            if member.name in REPORTS and member.isfile() and member.size <= MAX_REPORT_BYTES:
-                source = tar.extractfile(member)
-                if source is not None:
-                    (directory / member.name).write_bytes(source.read(MAX_REPORT_BYTES))
+    try:
+        data = base64.b64decode(lines[-1][len(MARKER) :], validate=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            for member in tar.getmembers():
+                if member.name in REPORTS and member.isfile() and member.size <= MAX_REPORT_BYTES:
+                    source = tar.extractfile(member)
+                    if source is not None:
+                        (directory / member.name).write_bytes(source.read(MAX_REPORT_BYTES))
+    except (ValueError, tarfile.TarError, EOFError, OSError):
+        return None
     report = directory / "conformance.json"
     return report if report.is_file() else None
 
@@ -254,9 +259,11 @@ class Runner:
         )
 
     def grant(self) -> None:
-        """The Jobs' service account, and what it may ask: made once, kept."""
+        """The Jobs' service account, and what it may ask: made once, kept.
+
+        In the driver's namespace, which its catalogue turn makes.
+        """
         core, ns = self.driver.core, self.namespace
-        self.driver._ensure_namespace()
         rbac, partial = self.rbac, functools.partial
         cluster_role: Any = {"metadata": {"name": ACCOUNT}, "rules": CLUSTER_RULES}
         role: Any = {"metadata": {"name": ACCOUNT}, "rules": NAMESPACE_RULES}
@@ -424,9 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--driver, --lane and the reports are the Job's: each is the kubernetes lane")
     driver, names = chosen_nodes(parser, "job", args.nodes)
     runner = Runner(driver, args, pytest_args)
-    runner.grant()
     _say(f"{len(names)} nodes, {min(args.jobs, len(names))} at a time, image {args.image}")
-    with driver.catalogue_turn():
+    with driver.catalogue_turn():  # in the driver's namespace, made for it
+        runner.grant()
         ended = runner.run(names)
     directory = args.out / "nodes"
     reported, missing = [], {}

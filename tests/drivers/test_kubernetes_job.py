@@ -77,6 +77,12 @@ def test_a_pods_log_gives_its_reports_and_nothing_else(tmp_path: Path) -> None:
     ]
     assert not (tmp_path / "escape").exists()
     assert job.taken("a pod that printed no archive", tmp_path / "none") is None
+    for corrupt in ("not base64 at all!", base64.b64encode(b"not gzip").decode(), "QUJD"):
+        assert job.taken(job.MARKER + corrupt, tmp_path / "corrupt") is None
+    # A sandbox's output in the log comes before the pod's own archive, which is taken.
+    forged = _archive({"conformance.json": b'"forged"'})
+    assert job.taken(f"{forged}\n{log}", tmp_path / "last") is not None
+    assert (tmp_path / "last" / "conformance.json").read_bytes() == b"{}"
 
 
 def test_the_sonobuoy_plugin_shipped_is_the_jobs_pod() -> None:
@@ -200,7 +206,8 @@ def test_the_jobs_account_makes_pods_in_its_namespace_alone(
     from kubernetes import client
 
     driver = KubernetesDriver(GpuHost.open(HostConfig(state_dir=tmp_path)), "job-rights")
-    job.Runner(driver, argparse.Namespace(), []).grant()
+    with driver.catalogue_turn():
+        job.Runner(driver, argparse.Namespace(), []).grant()
     namespace = driver.namespace if namespace == OWN else namespace
     resource, _, subresource = resource.partition("/")
     group = "rbac.authorization.k8s.io" if resource.startswith("cluster") else ""
