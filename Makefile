@@ -240,6 +240,12 @@ bench-workloads: venv host-packages
 bench-external: venv host-packages
 	$(BIN)/python -m bench.external $(BENCH_ARGS)
 
+# How long a kill at an exec's timeout takes, driver by driver, beside a round trip of
+# `true` and the room SANDBOX-EXEC-01's bound leaves (bench/kill.py).
+.PHONY: bench-kill
+bench-kill: venv host-packages gosandbox
+	$(BIN)/python -m bench.kill $(BENCH_ARGS)
+
 # What a payload printing 1 GB through exec costs the runner's memory, driver by driver
 # (bench/exec_memory.py; BENCH_ARGS=--bytes=N).
 .PHONY: bench-exec-memory

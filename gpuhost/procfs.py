@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gpuhost.wait import intervals
+
 
 def each_process(entry: str) -> Iterator[tuple[int, bytes]]:
     """(pid, contents of ``/proc/<pid>/<entry>``) of every process whose entry is readable.
@@ -75,15 +77,20 @@ def has_mark(pid: int, needle: bytes) -> bool:
 
 
 def kill_marked(needle: bytes, timeout_s: float = KILL_MARKED_TIMEOUT_S) -> None:
-    """SIGKILL every process carrying ``needle``, again and again until none is left."""
+    """SIGKILL every process carrying ``needle``, again and again until none is left.
+
+    It looks again a millisecond after a kill, then less often (``intervals``): a process
+    killed a moment ago is usually gone by then, and a kill at an exec's timeout is timed.
+    """
     deadline = time.monotonic() + timeout_s
+    sleeps = intervals(0.02)
     while time.monotonic() < deadline:
         found = marked_processes(needle)
         if not found:
             return
         for pid in found:
             kill_if(pid, lambda pid: has_mark(pid, needle))
-        time.sleep(0.02)
+        time.sleep(next(sleeps))
 
 
 def owner(pid: int) -> int | None:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gpuhost.wait import intervals
+
 TERM_GRACE_S = 2.0
 """How long a process group has between SIGTERM and SIGKILL, where it is given one."""
 
@@ -89,6 +91,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def _group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    sleeps = intervals(0.02)
     while time.monotonic() < deadline:
         try:
             os.killpg(pgid, 0)
@@ -96,4 +99,4 @@ def _group_gone(pgid: int, timeout_s: float) -> None:
             return
         except PermissionError:
             pass  # a member not ours to signal: still there
-        time.sleep(0.02)
+        time.sleep(next(sleeps))

@@ -23,6 +23,7 @@ from pathlib import Path
 from drivers.external.protocol import ProtocolError
 from gpuhost.procfs import KILL_MARKED_TIMEOUT_S, kill_if, kill_marked
 from gpuhost.spawn import TERM_GRACE_S, kill_group
+from gpuhost.wait import intervals
 
 MAX_LINE = 64 * 1024 * 1024
 """A line longer than this is not a message (64 MiB: an output chunk is far smaller)."""
@@ -103,13 +104,14 @@ class DriverProcess:
         """Kill what is left of it outside its group: what carries its marker or holds its pipes."""
         kill_marked(self.needle)
         deadline = time.monotonic() + KILL_MARKED_TIMEOUT_S
+        sleeps = intervals(0.02)
         while time.monotonic() < deadline:
             holders = [pid for pid in _processes() if _holds(pid, self.pipes)]
             if not holders:
                 return
             for holder in holders:
                 kill_if(holder, lambda pid: _holds(pid, self.pipes))
-            time.sleep(0.02)
+            time.sleep(next(sleeps))
 
     def end(self) -> None:
         """``stop``, then ``clear``: nothing of it is left."""

@@ -27,12 +27,15 @@ if TYPE_CHECKING:
 
 # Kills, inside the pod, every process that carries an exec's marker (``$1``), until none
 # is left: the API has no call to stop an exec, and what it started may have left its
-# process group. Busybox and coreutils images alike have tr, grep and kill.
+# process group. Busybox and coreutils images alike have tr, grep and kill. It looks again
+# 2 ms after its first kills (those processes are usually gone by then), then every 50 ms:
+# a kill at an exec's timeout is timed.
 KILL_MARKED_SCRIPT = (
-    "n=0; while :; do found=; for p in /proc/[0-9]*; do "
+    "n=0; pause=0.002; while :; do found=; for p in /proc/[0-9]*; do "
     'tr "\\0" "\\n" < "$p/environ" 2>/dev/null | grep -qxF "$1" && '
     '{ kill -9 "${p#/proc/}" 2>/dev/null; found=1; }; done; '
-    '[ -z "$found" ] && exit 0; n=$((n+1)); [ "$n" -ge 100 ] && exit 1; sleep 0.05; done'
+    '[ -z "$found" ] && exit 0; n=$((n+1)); [ "$n" -ge 100 ] && exit 1; sleep $pause; '
+    "pause=0.05; done"
 )
 
 

@@ -102,12 +102,14 @@ def _closure() -> list[metadata.Distribution]:
     """The project's distributions to run the kubernetes lane, each once."""
     wanted: list[tuple[str, tuple[str, ...]]] = [(PROJECT, EXTRAS)]
     seen: dict[str, metadata.Distribution] = {}
+    expanded: set[tuple[str, tuple[str, ...]]] = set()
     while wanted:
         name, extras = wanted.pop()
         dist = metadata.distribution(name)
         key = _normal(dist.metadata["Name"])
-        if key in seen and not extras:
-            continue
+        if (key, extras) in expanded:
+            continue  # requirements may name each other, with extras or without
+        expanded.add((key, extras))
         seen[key] = dist
         for line in dist.requires or []:
             requirement = Requirement(line)
