@@ -6,7 +6,8 @@ for each driver, in one sandbox: a command deaf to every signal it may ignore (i
 escaped into a session of its own, as the catalogue's is) given 0.5 s, and ``true``, in
 turn run by run so that both see the same machine load. Printed per driver: the median and
 slowest time past the timeout, the median round trip, and the room the bound leaves
-(the bound less the slowest kill: below zero, the requirement fails on this machine).
+(3 round trips less the slowest kill: below zero, the requirement fails on this machine
+whenever its round trip is measured in a quiet moment).
 
 ``--driver`` (repeatable) names drivers as ``--driver`` does for pytest; by default the
 reference driver and the example drivers behind the jsonl protocol in Python and in Go
@@ -24,7 +25,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conformance.bounds import kill_bound_s
 from drivers import get_driver_class
 from drivers.contract import ExecTimeout, SandboxSpec
 from gpuhost import simulated
@@ -33,6 +33,9 @@ from gpuhost.host import GpuHost, HostConfig
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples" / "drivers"
 TIMEOUT_S = 0.5
+ROUND_TRIPS_ALLOWED = 3
+"""What SANDBOX-EXEC-01 allows a kill past the timeout, alone on the machine
+(conformance.bounds.kill_bound_s; a bench stands below the catalogue's floor)."""
 DEAF = [
     "sh", "-c",
     "trap '' HUP INT QUIT TERM; setsid sleep 61.25 & while :; do echo x; sleep 0.2; done",
@@ -81,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"a deaf command given {TIMEOUT_S:g} s, {args.runs} runs; ms")
     print(f"{'driver':40}{'past, median':>14}{'slowest':>9}{'true':>7}{'room':>7}")
     for name in names:
-        room = (
-            kill_bound_s(TIMEOUT_S, statistics.median(trips[name])) - TIMEOUT_S - max(kills[name])
-        )
+        room = ROUND_TRIPS_ALLOWED * statistics.median(trips[name]) - max(kills[name])
         label = name if len(name) <= 38 else "..." + name[-35:]
         print(
             f"{label:40}{statistics.median(kills[name]) * 1000:14.1f}"
