@@ -7,6 +7,7 @@ read one registered CDI spec, so one simulated host serves them all.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -125,6 +126,31 @@ def test_no_driver_hands_out_a_gpu_another_driver_holds(engine_host: GpuHost) ->
             driver.reap(session)
 
 
+def _stopped_outside_the_registry_lock(run: subprocess.Popen[str], registry: Path) -> None:
+    """Keep ``run`` stopped where it does not hold the lease registry's lock.
+
+    What this test judges is the reap of a stopped creator's containers; a creator stopped
+    inside a registry update holds the registry's flock, and every other user waits for it
+    (a process of the host that stops another mid-update stops the registry with it).
+    """
+    fd = os.open(registry, os.O_RDONLY)
+    try:
+        for _ in range(100):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                run.send_signal(signal.SIGCONT)
+                time.sleep(0.01)
+                run.send_signal(signal.SIGSTOP)
+                time.sleep(0.01)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+        pytest.fail("the stopped run held the lease registry's lock at each of 100 tries")
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize(
     "how", [signal.SIGSTOP, signal.SIGINT, signal.SIGKILL], ids=["SIGSTOP", "SIGINT", "SIGKILL"]
 )
@@ -157,7 +183,9 @@ def test_interrupted_run_then_reap_leaves_no_container(
             retry_on=(LookupError,),
         )
         run.send_signal(how)
-        if how != signal.SIGSTOP:
+        if how == signal.SIGSTOP:
+            _stopped_outside_the_registry_lock(run, engine_host.leases.directory)
+        else:
             run.wait(60)
         reap = subprocess.run(
             [
