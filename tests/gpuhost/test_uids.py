@@ -12,6 +12,7 @@ import pytest
 from gpuhost import uids
 from gpuhost.errors import SandboxStartError
 from gpuhost.uids import SANDBOX_UIDS, SandboxUser
+from gpuhost.wait import wait_for
 from tests.other_user import OTHER_USER
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (uid claims are root's)")
@@ -67,6 +68,12 @@ def test_a_uid_a_process_still_runs_as_is_not_claimed(
         ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"]
     )
     try:
+        wait_for(
+            lambda: uids.runs_a_process(uid),
+            bool,
+            timeout_s=5,
+            what=f"setpriv to take uid {uid}",
+        )
         first.release()  # the lock is free, the process is not gone
         user = uids.claim(claims)
         held.append(user)
