@@ -20,6 +20,8 @@ from workloads.manifest import REQUIREMENT_PREFIX
 ROOT = Path(__file__).parent.parent
 MIG_LAYOUT = simulated.parse_mig_layout("0:7x1g.10gb,1:3x2g.20gb,1:1g.10gb")
 DRI_LAYOUT = simulated.parse_dri_layout("intel:1,amd:2")
+MESSAGE_SHOWN = 600
+"""Of each failed test's message in ``what_failed``: its reason, not its whole traceback."""
 
 
 def golden_ids() -> set[str]:
@@ -59,6 +61,20 @@ def partial_by_what_it_dropped(
     assert tests, f"no test of {requirement} ran"
     assert all(t["outcome"] == "passed" for t in tests), tests
     assert any(t.get("dropped") for t in tests), tests
+
+
+def what_failed(result: dict[str, Any], driver: str) -> str:
+    """Each test of ``driver`` that failed or erred, by requirement, with its message.
+
+    The message of an assertion on a catalogue run's verdicts: a CI log keeps only part of a
+    failure's output, and the verdicts alone do not say why.
+    """
+    return "\n".join(
+        f"{test['requirement']} {test['nodeid'].rpartition('::')[2]} {test['outcome']}: "
+        f"{test['message'][:MESSAGE_SHOWN]}"
+        for test in result["tests"]
+        if test["driver"] == driver and test["outcome"] in ("failed", "error")
+    )
 
 
 def planted_name(broken: type) -> str:

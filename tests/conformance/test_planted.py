@@ -19,7 +19,13 @@ from tests.breakers.base import BrokenDriver
 from tests.breakers.exhaustion import WaitsForAFreeGpu
 from tests.breakers.lifecycle import ReapDoesNothing
 from tests.breakers.visibility import OmitsCtlNode, OmitsUvmNode
-from tests.catalogue import assert_fails_its_requirement, golden_ids, planted_name, run_catalogue
+from tests.catalogue import (
+    assert_fails_its_requirement,
+    golden_ids,
+    planted_name,
+    run_catalogue,
+    what_failed,
+)
 
 
 def test_every_requirement_has_a_planted_breaker() -> None:
@@ -125,7 +131,10 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     """On 1 or 2 GPUs what needs more is skipped with the reason, or dropped; nothing fails."""
     result, run = run_catalogue(pytester, tmp_path, "reference", gpus, full=False)
     verdicts = {req: result["matrix"][req]["reference"] for req in golden_ids()}
-    assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, verdicts
+    assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, (
+        verdicts,
+        what_failed(result, "reference"),
+    )
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]
     reasons = ("needs", "does not apply", "not applicable")
     assert all(any(reason in message for reason in reasons) for message in skips), skips
@@ -244,7 +253,7 @@ def test_a_driver_that_never_refuses_fails_by_name_without_waiting_out_the_test_
     result, run = run_catalogue(pytester, tmp_path, name, 8, f"--requirement={','.join(asked)}")
     took = time.monotonic() - start
     failed = {req for req, cells in result["matrix"].items() if cells[name] == "failed"}
-    assert failed == set(asked), result["matrix"]
+    assert failed == set(asked), (result["matrix"], what_failed(result, name))
     hung = [test for test in result["tests"] if "did not return within" in test["message"]]
     assert {test["requirement"] for test in hung} == set(asked), result["tests"]
     assert took < 120, f"the catalogue took {took:.0f} s on a driver that never refuses"

@@ -42,6 +42,7 @@ from tests.catalogue import (
     golden_ids,
     planted_name,
     run_catalogue,
+    what_failed,
     without_the_busybox_key_case,
 )
 from tests.other_user import OTHER_USER, setpriv
@@ -77,7 +78,10 @@ def test_catalogue_passes_on_the_real_engine(
     verdicts = without_the_busybox_key_case(result, engine)
     required = golden_ids()
     assert set(verdicts) | {"SANDBOX-PEER-01"} >= required
-    assert {req for req in required if verdicts.get(req, "passed") != "passed"} == set(), verdicts
+    assert {req for req in required if verdicts.get(req, "passed") != "passed"} == set(), (
+        verdicts,
+        what_failed(result, engine),
+    )
 
 
 @pytest.mark.parametrize("broken", containers.ALL, ids=[cls.__name__ for cls in containers.ALL])

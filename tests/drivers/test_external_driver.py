@@ -29,7 +29,7 @@ from gpuhost import simulated
 from gpuhost.errors import ExecTimeout, SandboxExecError, SandboxStartError, UnknownGpuDevice
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import GpuRequest, SandboxSpec, select
-from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue
+from tests.catalogue import DRI_LAYOUT, MIG_LAYOUT, ROOT, golden_ids, run_catalogue, what_failed
 
 PODMAN_CLI = ROOT / "examples" / "drivers" / "podman-cli.yaml"
 EXAMPLE_JSONL = ROOT / "examples" / "drivers" / "jsonl-jail.yaml"
@@ -349,10 +349,13 @@ def test_the_podman_cli_fails_the_catalogue_exactly_where_its_containers_outlive
         simulated.teardown(sim.root)
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
     failed = {req for req in golden_ids() if verdicts[req] == "failed"}
-    assert failed == PODMAN_CLI_FAILS, verdicts
+    assert failed == PODMAN_CLI_FAILS, what_failed(result, name)
     assert {req for req in golden_ids() if verdicts[req] == "partial"} == PODMAN_CLI_PARTIAL
     rest = golden_ids() - failed - PODMAN_CLI_PARTIAL
-    assert {verdicts[req] for req in rest} <= {"passed", "not applicable"}, verdicts
+    assert {verdicts[req] for req in rest} <= {"passed", "not applicable"}, (
+        verdicts,
+        what_failed(result, name),
+    )
 
 
 def test_two_manifests_are_two_drivers_side_by_side(tmp_path: Path, host: GpuHost) -> None:

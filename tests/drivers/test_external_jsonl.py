@@ -33,7 +33,7 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
-from tests.catalogue import ROOT, golden_ids, run_catalogue
+from tests.catalogue import ROOT, golden_ids, run_catalogue, what_failed
 from tests.conformance.test_example_driver import (
     PEERS_AND_PRIVILEGES,
     assert_impostor_is_no_sandbox,
@@ -326,10 +326,15 @@ def test_the_example_passes_the_whole_catalogue_every_message_in_the_protocol(
     assert "--sim-gpus=8" in gate_layout()  # run_catalogue makes the gate's layout itself
     result, run, trace = _catalogue(pytester, tmp_path, monkeypatch)
     name = f"exec:{EXAMPLE}"
-    assert result["verdicts"][name]["status"] == "PASS", run.stdout.str()[-3000:]
+    assert result["verdicts"][name]["status"] == "PASS", (
+        what_failed(result, name) or run.stdout.str()[-3000:]
+    )
     assert run.ret == 0
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
-    assert {verdicts[req] for req in golden_ids()} <= {"passed", "not applicable"}, verdicts
+    assert {verdicts[req] for req in golden_ids()} <= {"passed", "not applicable"}, (
+        verdicts,
+        what_failed(result, name),
+    )
     assert assert_every_message_in_the_protocol(trace) > 1000
 
 

@@ -31,7 +31,7 @@ from gpuhost.errors import (
 )
 from gpuhost.host import GpuHost, HostConfig
 from gpuhost.spec import SandboxSpec
-from tests.catalogue import ROOT, golden_ids, run_catalogue
+from tests.catalogue import ROOT, golden_ids, run_catalogue, what_failed
 from tests.conformance.test_example_driver import (
     PEERS_AND_PRIVILEGES,
     assert_impostor_is_no_sandbox,
@@ -158,10 +158,15 @@ def test_the_go_driver_passes_the_whole_catalogue(
 ) -> None:
     name = f"exec:{MANIFEST}"
     result, run = run_catalogue(pytester, tmp_path, name, 8)
-    assert result["verdicts"][name]["status"] == "PASS", run.stdout.str()[-3000:]
+    assert result["verdicts"][name]["status"] == "PASS", (
+        what_failed(result, name) or run.stdout.str()[-3000:]
+    )
     assert run.ret == 0
     verdicts = {req: cells[name] for req, cells in result["matrix"].items()}
-    assert {verdicts[req] for req in golden_ids()} <= {"passed", "not applicable"}, verdicts
+    assert {verdicts[req] for req in golden_ids()} <= {"passed", "not applicable"}, (
+        verdicts,
+        what_failed(result, name),
+    )
 
 
 def test_the_go_driver_and_the_reference_driver_pass_side_by_side(
