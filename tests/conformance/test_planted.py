@@ -132,8 +132,7 @@ def test_reference_driver_fails_nothing_on_small_hosts(
     result, run = run_catalogue(pytester, tmp_path, "reference", gpus, full=False)
     verdicts = {req: result["matrix"][req]["reference"] for req in golden_ids()}
     assert set(verdicts.values()) <= {"passed", "partial", "skipped", "not applicable"}, (
-        verdicts,
-        what_failed(result, "reference"),
+        f"{what_failed(result, 'reference')}\nverdicts: {verdicts}"
     )
     skips = [test["message"] for test in result["tests"] if test["outcome"] == "skipped"]
     reasons = ("needs", "does not apply", "not applicable")
@@ -253,7 +252,7 @@ def test_a_driver_that_never_refuses_fails_by_name_without_waiting_out_the_test_
     result, run = run_catalogue(pytester, tmp_path, name, 8, f"--requirement={','.join(asked)}")
     took = time.monotonic() - start
     failed = {req for req, cells in result["matrix"].items() if cells[name] == "failed"}
-    assert failed == set(asked), (result["matrix"], what_failed(result, name))
+    assert failed == set(asked), f"{what_failed(result, name)}\nmatrix: {result['matrix']}"
     hung = [test for test in result["tests"] if "did not return within" in test["message"]]
     assert {test["requirement"] for test in hung} == set(asked), result["tests"]
     assert took < 120, f"the catalogue took {took:.0f} s on a driver that never refuses"

@@ -79,8 +79,7 @@ def test_catalogue_passes_on_the_real_engine(
     required = golden_ids()
     assert set(verdicts) | {"SANDBOX-PEER-01"} >= required
     assert {req for req in required if verdicts.get(req, "passed") != "passed"} == set(), (
-        verdicts,
-        what_failed(result, engine),
+        f"{what_failed(result, engine)}\nverdicts: {verdicts}"
     )
 
 

@@ -353,8 +353,7 @@ def test_the_podman_cli_fails_the_catalogue_exactly_where_its_containers_outlive
     assert {req for req in golden_ids() if verdicts[req] == "partial"} == PODMAN_CLI_PARTIAL
     rest = golden_ids() - failed - PODMAN_CLI_PARTIAL
     assert {verdicts[req] for req in rest} <= {"passed", "not applicable"}, (
-        verdicts,
-        what_failed(result, name),
+        f"{what_failed(result, name)}\nverdicts: {verdicts}"
     )
 
 
